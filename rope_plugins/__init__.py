@@ -1,0 +1,1 @@
+"""RoPE context-extension plugin for vLLM."""

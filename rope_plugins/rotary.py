@@ -1,0 +1,148 @@
+"""The rotary math of every method, as small pure functions.
+
+Notation (DESIGN.md): head dim ``d``, pair index ``i = 0 .. d/2-1``, base ``b``,
+``theta_i = b^(-2i/d)``, extension factor ``k``. Tables are float64; callers cast.
+
+Frequency methods change ``theta`` and keep positions; relative-position methods
+(ReRoPE, Leaky ReRoPE) keep ``theta`` and bend the relative position ``r = m - n``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .settings import ExtensionSettings
+
+# YaRN's NTK-by-parts ramp bounds (alpha, beta of the YaRN paper, in rotations over L_train).
+YARN_BETA_FAST = 32.0
+YARN_BETA_SLOW = 1.0
+
+
+def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    """Plain RoPE: ``theta_i = b^(-2i/d)``, shape ``[d/2]``."""
+    pair = torch.arange(head_dim // 2, dtype=torch.float64)
+    return base ** (-2.0 * pair / head_dim)
+
+
+def pi_inv_freq(head_dim: int, base: float, factor: float) -> torch.Tensor:
+    """Position interpolation: every frequency divided by k."""
+    return rope_inv_freq(head_dim, base) / factor
+
+
+def ntk_old_inv_freq(head_dim: int, base: float, factor: float) -> torch.Tensor:
+    """NTK-aware scaling as first proposed: base b -> b*k, ``theta_i = (b k)^(-2i/d)``."""
+    return rope_inv_freq(head_dim, base * factor)
+
+
+def ntk_fixed_inv_freq(head_dim: int, base: float, factor: float) -> torch.Tensor:
+    """NTK with the radix fix: ``theta_i = b^(-2i/d) k^(-2(i+1)/d)``."""
+    pair = torch.arange(head_dim // 2, dtype=torch.float64)
+    return rope_inv_freq(head_dim, base) * factor ** (-2.0 * (pair + 1) / head_dim)
+
+
+def ntk_mixed_inv_freq(head_dim: int, base: float, factor: float, beta: float) -> torch.Tensor:
+    """Mixed radix: ``theta_i = b^(-2i/d) exp(-a (i+1)^beta)`` with ``a (d/2)^beta = ln k``.
+
+    beta = 1 gives ntk_fixed, beta = 0 gives pi.
+    """
+    pair = torch.arange(head_dim // 2, dtype=torch.float64)
+    a = math.log(factor) / (head_dim / 2) ** beta
+    return rope_inv_freq(head_dim, base) * torch.exp(-a * (pair + 1) ** beta)
+
+
+def yarn_correction_dim(rotations: float, head_dim: int, base: float, train_length: int) -> float:
+    """The (fractional) dimension index whose wavelength fits ``rotations`` turns in L_train."""
+    return head_dim * math.log(train_length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_inv_freq(head_dim: int, base: float, factor: float, train_length: int) -> torch.Tensor:
+    """YaRN's NTK-by-parts: high frequencies kept, low ones interpolated by k, a linear ramp
+    between the dimensions that turn ``YARN_BETA_FAST`` and ``YARN_BETA_SLOW`` times in L_train."""
+    low = max(math.floor(yarn_correction_dim(YARN_BETA_FAST, head_dim, base, train_length)), 0)
+    high = min(math.ceil(yarn_correction_dim(YARN_BETA_SLOW, head_dim, base, train_length)), head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    pair = torch.arange(head_dim // 2, dtype=torch.float64)
+    interpolated_share = ((pair - low) / (high - low)).clamp(0.0, 1.0)
+    extrapolated = rope_inv_freq(head_dim, base)
+    return extrapolated * (1 - interpolated_share) + extrapolated / factor * interpolated_share
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's temperature: q and k are each scaled by ``0.1 ln k + 1``, so logits by its square."""
+    return 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+
+
+def inv_freq(settings: ExtensionSettings, head_dim: int, base: float) -> torch.Tensor:
+    """The frequency table a request rotates with, shape ``[d/2]``, float64."""
+    method, k = settings.method, settings.factor
+    if method in ("none", "rerope", "leaky_rerope"):
+        return rope_inv_freq(head_dim, base)
+    if method == "pi":
+        return pi_inv_freq(head_dim, base, k)
+    if method == "ntk_old":
+        return ntk_old_inv_freq(head_dim, base, k)
+    if method == "ntk_fixed":
+        return ntk_fixed_inv_freq(head_dim, base, k)
+    if method == "ntk_mixed":
+        return ntk_mixed_inv_freq(head_dim, base, k, settings.beta)
+    if method == "yarn":
+        return yarn_inv_freq(head_dim, base, k, settings.train_length)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def rerope_relative(distance: torch.Tensor, window: int) -> torch.Tensor:
+    """ReRoPE: the relative position ``r`` clipped at the window, ``min(r, w)``."""
+    return distance.clamp(max=window)
+
+
+def leaky_rerope_relative(distance: torch.Tensor, window: int, leaky_k: float) -> torch.Tensor:
+    """Leaky ReRoPE: ``r`` inside the window, ``w + (r - w) / k`` beyond it."""
+    return torch.where(distance < window, distance, window + (distance - window) / leaky_k)
+
+
+def effective_relative(settings: ExtensionSettings, distance: torch.Tensor) -> torch.Tensor:
+    """The relative position a method scores ``r = m - n >= 0`` at (float64)."""
+    distance = distance.to(torch.float64)
+    if settings.method == "rerope":
+        return rerope_relative(distance, settings.window)
+    if settings.method == "leaky_rerope":
+        return leaky_rerope_relative(distance, settings.window, settings.leaky_k)
+    return distance
+
+
+def log_n_scale(positions: torch.Tensor, train_length: int) -> torch.Tensor:
+    """The log-n query factor ``max(1, log(n) / log(L_train))`` for the token at 0-based
+    position ``m``, with ``n = m + 1`` tokens seen (as the reference implementation does)."""
+    seen = positions.to(torch.float64) + 1
+    return (seen.log() / math.log(train_length)).clamp(min=1.0)
+
+
+def query_scale(settings: ExtensionSettings, positions: torch.Tensor) -> torch.Tensor:
+    """Per-token factor on the query: log-n and YaRN's temperature, shape like ``positions``."""
+    scale = torch.ones_like(positions, dtype=torch.float64)
+    if settings.log_n:
+        scale = scale * log_n_scale(positions, settings.train_length)
+    if settings.method == "yarn":
+        scale = scale * yarn_attention_factor(settings.factor) ** 2
+    return scale
+
+
+def rotate(x: torch.Tensor, angle: torch.Tensor, neox_style: bool = True) -> torch.Tensor:
+    """Rotate each pair of ``x[..., d]`` by ``angle[..., d/2]`` (broadcast).
+
+    ``neox_style`` pairs dim ``i`` with ``i + d/2`` (Llama in transformers and vLLM);
+    otherwise adjacent dims ``2i, 2i+1`` form a pair (GPT-J style).
+    """
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    if neox_style:
+        first, second = x.chunk(2, dim=-1)
+    else:
+        first, second = x[..., 0::2], x[..., 1::2]
+    rotated_first = first * cos - second * sin
+    rotated_second = second * cos + first * sin
+    if neox_style:
+        return torch.cat((rotated_first, rotated_second), dim=-1)
+    return torch.stack((rotated_first, rotated_second), dim=-1).flatten(-2)

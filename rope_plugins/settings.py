@@ -1,0 +1,121 @@
+"""One typed, validated settings object for every context-extension method.
+
+The same object is built from server flags (the defaults), from a request's
+``context_extension`` body field and from ``SamplingParams.extra_args``; a bad value
+raises :class:`SettingsError`, which names the field and says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+
+Method = Literal["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope"]
+METHODS: tuple[str, ...] = get_args(Method)
+FREQUENCY_METHODS = frozenset({"none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn"})
+WINDOW_METHODS = frozenset({"rerope", "leaky_rerope"})
+
+# Which fields change the computation, per method: the canonical form keeps only these, so two
+# settings that compute the same attention share one hash (and one prefix cache).
+_FIELDS_USED = {
+    "none": (),
+    "pi": ("factor",),
+    "ntk_old": ("factor",),
+    "ntk_fixed": ("factor",),
+    "ntk_mixed": ("factor", "beta"),
+    "yarn": ("factor", "train_length"),
+    "rerope": ("window",),
+    "leaky_rerope": ("window", "leaky_k"),
+}
+
+
+class SettingsError(ValueError):
+    """A bad extension setting: ``field`` names it, ``reason`` says why."""
+
+    def __init__(self, field: str, reason: str):
+        self.field = field
+        self.reason = reason
+        super().__init__(f"context_extension.{field}: {reason}")
+
+
+class ExtensionSettings(BaseModel):
+    """How one request extends its context.
+
+    ``factor`` is the extension factor k of the frequency methods (target length / train
+    length); ``window`` (w) and ``leaky_k`` belong to ReRoPE / Leaky ReRoPE; ``beta`` to
+    ntk_mixed; ``log_n`` multiplies each query by max(1, log(n) / log(train_length)).
+    ``window`` defaults to a quarter of ``train_length`` (the seed's best range is 1/4..1/2).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Method = "none"
+    factor: float = Field(4.0, ge=1.0, le=1024.0)
+    window: int | None = Field(None, gt=0)
+    leaky_k: float = Field(16.0, ge=1.0)
+    beta: float = Field(0.625, ge=0.0, le=1.0)
+    log_n: StrictBool = False
+    train_length: int = Field(..., gt=1)
+
+    @model_validator(mode="after")
+    def _window_inside_training(self) -> "ExtensionSettings":
+        if self.window is None:
+            object.__setattr__(self, "window", max(1, self.train_length // 4))
+        elif self.window >= self.train_length:
+            raise ValueError(
+                f"window must be smaller than train_length ({self.train_length}), got {self.window}"
+            )
+        return self
+
+    def canonical(self) -> dict[str, Any]:
+        """The fields that change the computation, in a fixed order."""
+        form: dict[str, Any] = {"method": self.method}
+        for name in _FIELDS_USED[self.method]:
+            form[name] = getattr(self, name)
+        if self.log_n:
+            form["log_n"] = True
+            form["train_length"] = self.train_length
+        return form
+
+    def canonical_hash(self) -> str:
+        """Stable hash of :meth:`canonical`: the prefix-cache salt of a request."""
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @property
+    def is_plain_rope(self) -> bool:
+        return self.method == "none" and not self.log_n
+
+
+def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -> ExtensionSettings:
+    """``defaults`` overridden by a request's ``fields``; raises :class:`SettingsError`."""
+    if fields is None:
+        return defaults
+    if not isinstance(fields, dict):
+        raise SettingsError("", f"must be an object, got {type(fields).__name__}")
+    merged = defaults.model_dump()
+    if "train_length" in fields and "window" not in fields:
+        merged["window"] = None  # the default window is a quarter of the new train_length
+    merged.update(fields)
+    try:
+        return ExtensionSettings.model_validate(merged)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or _field_named_in(first["msg"])
+        raise SettingsError(field, _readable(first)) from None
+
+
+def _field_named_in(message: str) -> str:
+    return "window" if "window" in message else ""
+
+
+def _readable(error: dict[str, Any]) -> str:
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return f"unknown field; known fields are {', '.join(ExtensionSettings.model_fields)}"
+    if error["type"] == "literal_error":
+        return f"unknown method {error['input']!r}; choose one of {', '.join(METHODS)}"
+    return f"{message} (got {error.get('input')!r})" if "input" in error and error["type"] != "value_error" else message
