@@ -1,2 +1,22 @@
+"""vLLM entry point (``vllm.general_plugins``): registers the model and the attention backend.
+
+vLLM loads general plugins in every process it starts, possibly several times: each
+registration checks first. Class paths are strings so no process imports torch-heavy
+modules before it needs them.
+"""
+
+from __future__ import annotations
+
+from .requests import ARCHITECTURE
+
+BACKEND_NAME = "ROPE_EXTEND"  # rope_plugins.attention.BACKEND_NAME, kept import-free here
+
+
 def register() -> None:
-    pass
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, "rope_plugins.model:RopeExtendLlamaForCausalLM")
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, "rope_plugins.attention.RopeExtendAttentionBackend")

@@ -136,7 +136,11 @@ def rotate(x: torch.Tensor, angle: torch.Tensor, neox_style: bool = True) -> tor
     ``neox_style`` pairs dim ``i`` with ``i + d/2`` (Llama in transformers and vLLM);
     otherwise adjacent dims ``2i, 2i+1`` form a pair (GPT-J style).
     """
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    return rotate_by(x, angle.cos().to(x.dtype), angle.sin().to(x.dtype), neox_style)
+
+
+def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox_style: bool = True) -> torch.Tensor:
+    """:func:`rotate` with the angles' cosines and sines given (``[..., d/2]``, broadcast)."""
     if neox_style:
         first, second = x.chunk(2, dim=-1)
     else:

@@ -1,0 +1,60 @@
+"""A reference forward of a checkpoint in transformers with the oracle attention.
+
+transformers' own Llama runs with its rotary embedding made the identity (so q and k reach
+attention unrotated) and an attention function, registered through transformers'
+AttentionInterface, that calls :func:`rope_plugins.reference.reference_attention`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rope_plugins.reference import reference_attention
+from rope_plugins.settings import ExtensionSettings
+
+ATTENTION_NAME = "rope_oracle"
+
+
+class IdentityRotary(torch.nn.Module):
+    def forward(self, x, position_ids, *args, **kwargs):
+        shape = (*position_ids.shape, self.head_dim)
+        return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)
+
+
+class ReferenceModel:
+    def __init__(self, directory: Path):
+        from transformers import AttentionInterface, LlamaForCausalLM
+
+        self.settings: ExtensionSettings | None = None
+        AttentionInterface.register(ATTENTION_NAME, self._attention)
+        self.model = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.float32, attn_implementation=ATTENTION_NAME)
+        self.model.eval()
+        config = self.model.config
+        self.base = float(config.rope_parameters["rope_theta"])
+        rotary = IdentityRotary()
+        rotary.head_dim = config.head_dim
+        self.model.model.rotary_emb = rotary
+
+    def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # query [1, H, L, d], key/value [1, Hkv, L, d] -> [1, L, H, d]
+        out = reference_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                  self.settings, base=self.base, softmax_scale=scaling)
+        return out[None], None
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int], settings: ExtensionSettings) -> torch.Tensor:
+        self.settings = settings
+        return self.model(torch.tensor([token_ids])).logits[0].double()
+
+    def prompt_logprobs(self, token_ids: list[int], settings: ExtensionSettings) -> torch.Tensor:
+        """log p(token_i | tokens_<i) for i >= 1."""
+        logprobs = self.logits(token_ids, settings).log_softmax(-1)
+        return logprobs[:-1].gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+
+    def greedy(self, token_ids: list[int], settings: ExtensionSettings, steps: int) -> list[int]:
+        tokens = list(token_ids)
+        for _ in range(steps):
+            tokens.append(int(self.logits(tokens, settings)[-1].argmax()))
+        return tokens[len(token_ids):]
