@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from .rotary import inv_freq, yarn_attention_factor
@@ -130,7 +131,10 @@ class RequestSettingsTracker(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        validate_request_fields(request_fields(sampling_params))
+        try:
+            validate_request_fields(request_fields(sampling_params))
+        except SettingsError as error:  # vLLM turns this into an HTTP 400 naming the field
+            raise VLLMValidationError(str(error), parameter=f"{EXTRA_ARGS_KEY}.{error.field}") from None
 
     def _values(self, settings: ExtensionSettings) -> tuple:
         key = settings.canonical_hash()

@@ -53,6 +53,11 @@ class ReferenceModel:
         logprobs = self.logits(token_ids, settings).log_softmax(-1)
         return logprobs[:-1].gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
 
+    def continuation_logprobs(self, token_ids: list[int], generated: list[int], settings: ExtensionSettings) -> torch.Tensor:
+        """log p(generated_j | token_ids + generated_<j)."""
+        logprobs = self.logits(token_ids + generated, settings).log_softmax(-1)[len(token_ids) - 1: -1]
+        return logprobs.gather(1, torch.tensor(generated)[:, None])[:, 0]
+
     def greedy(self, token_ids: list[int], settings: ExtensionSettings, steps: int) -> list[int]:
         tokens = list(token_ids)
         for _ in range(steps):

@@ -1,0 +1,56 @@
+"""Shared, session-wide fixtures: engines take ~15 s to start, so each kind starts once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny_llama import TRAIN_LENGTH, make_tiny_llama
+
+ENGINE_DEFAULTS = {"method": "rerope", "window": 37}
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _engine(model_dir, **engine):
+    from vllm import LLM
+
+    from rope_plugins.engine import engine_kwargs
+
+    common = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
+                  kv_cache_memory_bytes=1 << 27, seed=0)
+    common.update(engine)
+    return LLM(**engine_kwargs(str(model_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN, **common))
+
+
+@pytest.fixture(scope="session")
+def full_engine(tiny_llama_dir):
+    """Whole prompts in one step; prefix caching on (vLLM's default)."""
+    llm = _engine(tiny_llama_dir, max_num_batched_tokens=4096, max_num_seqs=16)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def chunked_engine(tiny_llama_dir):
+    """Prompts prefilled in chunks of 64 tokens, so chunks start inside and past the window."""
+    llm = _engine(tiny_llama_dir, max_num_batched_tokens=64, max_num_seqs=8, enable_chunked_prefill=True)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_llama_dir):
+    from reference_forward import ReferenceModel
+
+    return ReferenceModel(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def engine_defaults():
+    from rope_plugins.settings import ExtensionSettings
+
+    return ExtensionSettings(train_length=TRAIN_LENGTH, **ENGINE_DEFAULTS)
