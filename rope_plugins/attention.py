@@ -48,15 +48,26 @@ def cos_sin(angle: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 @dataclass
 class PrefillRow:
-    """One request with more than one query token this step."""
+    """One request with more than one query token this step, and its precomputed plan."""
 
     tokens: slice  # its query tokens in the step's flat token order
     context: int  # tokens already in the cache before this chunk
     seq_len: int  # context + chunk
-    row: int  # batch row (block table, settings)
+    row: int  # batch row (block table)
     window: int
-    leak: float
-    theta: torch.Tensor  # [d/2] float64
+    # far part (keys n <= m - w): the first query that has any, and the key rotation n ρ θ
+    first_far: int
+    far_keys: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [seq_len, 1, d/2]; None if ρ = 0
+    # near band (0 <= m - n < w), in query tiles against overlapping key spans
+    tile: int = 0
+    tiles: int = 0
+    band_source: torch.Tensor | None = None  # [tiles*tile + w - 1] key index (clamped)
+    band_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of n θ, [sources, 1, d/2]
+    band_mask: torch.Tensor | None = None  # additive [tiles, 1, group*tile, span]
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens.stop - self.tokens.start
 
 
 @dataclass
@@ -65,22 +76,20 @@ class RopeExtendMetadata:
     slot_mapping: torch.Tensor  # [T]
     block_table: torch.Tensor  # [R, max_blocks]
     query_scale: torch.Tensor  # [T] log-n x YaRN temperature, model dtype
-    near_query: tuple[torch.Tensor, torch.Tensor]  # cos, sin of m θ, [T, d/2]
-    far_query: tuple[torch.Tensor, torch.Tensor]  # cos, sin of (w + (m - w) ρ) θ, [T, d/2]
+    near_query: tuple[torch.Tensor, torch.Tensor]  # cos, sin of m θ, [T, 1, d/2]
+    far_query: tuple[torch.Tensor, torch.Tensor]  # cos, sin of (w + (m - w) ρ) θ, [T, 1, d/2]
     prefill: list[PrefillRow]
-    # decode rows, batched: row index, token index, length, and per-key rotation tables
-    decode_rows: torch.Tensor  # [Rd]
-    decode_tokens: torch.Tensor  # [Rd]
-    decode_seq_lens: torch.Tensor  # [Rd]
-    decode_window: torch.Tensor  # [Rd]
-    decode_far_keys: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin of n ρ θ, [Rd, S, d/2]; None if all ρ = 0
-    decode_band_start: torch.Tensor  # [Rd] first key position of the near band
-    decode_band_keys: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin of n θ, [Rd, W, d/2]
+    # decode rows, batched over rows and cache blocks
+    decode_tokens: torch.Tensor  # [Rd] token index of each decode row
+    decode_block_ids: torch.Tensor  # [Rd, nb]
+    decode_keep: torch.Tensor  # [Rd, nb*bs] keys each row attends to
+    decode_far_keys: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin of n ρ θ, [Rd, nb, 1, bs, d/2]
+    decode_band: tuple[torch.Tensor, ...] | None  # block [Rd, W], offset [Rd, W], target [Rd, W], cos, sin [Rd, W, 1, d/2]
 
 
 class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
-    """Turns the step's rows and each row's settings into per-token rotation tables, once
-    per step for all layers."""
+    """Turns the step's rows and each row's settings into rotation tables, masks and index
+    plans, once per step for all layers."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
@@ -88,6 +97,9 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
         self.vllm_config = vllm_config
         self.dtype = vllm_config.model_config.dtype
         self.head_dim = kv_cache_spec.head_size
+        self.block_size = kv_cache_spec.block_size
+        query_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self.group = query_heads // kv_cache_spec.num_kv_heads
 
     def tracker(self) -> RequestSettingsTracker:
         tracker = RequestSettingsTracker.for_config(self.vllm_config)
@@ -117,42 +129,75 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
         query_scale = log_n_factor(positions, tables.log_n_length[:rows][token_row]) * tables.query_factor[:rows][token_row]
 
         decode = (query_lens == 1).nonzero().flatten()
-        prefill = [
-            PrefillRow(slice(int(starts[r]), int(starts[r + 1])), int(seq_lens[r] - query_lens[r]), int(seq_lens[r]),
-                       int(r), int(window[r]), float(leak[r]), theta[r])
-            for r in (query_lens > 1).nonzero().flatten().tolist()
-        ]
-
-        decode_seq = seq_lens[decode]
-        longest = int(decode_seq.max()) if decode.numel() else 0
-        key_position = torch.arange(longest, dtype=torch.float64)
-        decode_leak, decode_theta, decode_window = leak[decode], theta[decode], window[decode]
-        far_keys = None
-        if bool((decode_leak != 0).any()):
-            far_keys = cos_sin(key_position[None, :, None] * (decode_leak[:, None] * decode_theta)[:, None, :], self.dtype)
-        band = min(int(decode_window.max()) if decode.numel() else 0, longest)
-        band_start = (decode_seq - band).clamp(min=0)
-        band_keys = None
-        if band > 0:
-            band_position = band_start[:, None] + torch.arange(band)  # [Rd, W]
-            band_keys = cos_sin(band_position[..., None].double() * decode_theta[:, None, :], self.dtype)
-
+        prefill = [self.prefill_plan(int(r), starts, query_lens, seq_lens, window, leak, theta)
+                   for r in (query_lens > 1).nonzero().flatten().tolist()]
         return RopeExtendMetadata(
             num_actual_tokens=tokens,
             slot_mapping=common.slot_mapping[:tokens],
             block_table=common.block_table_tensor,
             query_scale=query_scale.to(self.dtype),
-            near_query=cos_sin(positions[:, None].double() * token_theta, self.dtype),
-            far_query=cos_sin(far_position[:, None] * token_theta, self.dtype),
+            near_query=cos_sin((positions[:, None].double() * token_theta)[:, None], self.dtype),
+            far_query=cos_sin((far_position[:, None] * token_theta)[:, None], self.dtype),
             prefill=prefill,
-            decode_rows=decode,
             decode_tokens=starts[:-1][decode],
-            decode_seq_lens=decode_seq,
-            decode_window=decode_window,
-            decode_far_keys=far_keys,
-            decode_band_start=band_start,
-            decode_band_keys=band_keys,
+            **self.decode_plan(decode, seq_lens, window, leak, theta, common.block_table_tensor),
         )
+
+    def decode_plan(self, decode, seq_lens, window, leak, theta, block_table) -> dict:
+        """Index plan for all decode rows: blocks to read, keys to keep, the near band."""
+        rows, block_size = decode.numel(), self.block_size
+        if rows == 0:
+            empty = torch.empty(0, 0, dtype=torch.int64)
+            return dict(decode_block_ids=empty, decode_keep=empty.bool(), decode_far_keys=None, decode_band=None)
+        seq = seq_lens[decode]
+        blocks = -(-int(seq.max()) // block_size)
+        position = torch.arange(blocks * block_size)
+        keep = position[None, :] < seq[:, None]
+        row_theta, row_leak, row_window = theta[decode], leak[decode], window[decode]
+        far_keys = None
+        if bool((row_leak != 0).any()):
+            angle = position.double()[None, :, None] * (row_leak[:, None] * row_theta)[:, None, :]
+            far_keys = cos_sin(angle.view(rows, blocks, 1, block_size, -1), self.dtype)
+        band_width = min(int(row_window.max()), int(seq.max()))
+        band = None
+        if band_width > 0:
+            query_position = seq - 1
+            band_position = (seq - band_width).clamp(min=0)[:, None] + torch.arange(band_width)  # [Rd, W]
+            in_band = (band_position < seq[:, None]) & (query_position[:, None] - band_position < row_window[:, None])
+            band_position = band_position.clamp(max=blocks * block_size - 1)
+            # near keys take their band score, the rest of the band goes to a spare column
+            target = torch.where(in_band, band_position, blocks * block_size)
+            band_cos, band_sin = cos_sin((band_position.double()[..., None] * row_theta[:, None, :])[:, :, None], self.dtype)
+            band = (band_position // block_size, band_position % block_size, target, band_cos, band_sin)
+        return dict(decode_block_ids=block_table[decode, :blocks], decode_keep=keep, decode_far_keys=far_keys,
+                    decode_band=band)
+
+    def prefill_plan(self, row, starts, query_lens, seq_lens, window, leak, theta) -> PrefillRow:
+        chunk, seq_len = int(query_lens[row]), int(seq_lens[row])
+        context, w, row_leak, row_theta = seq_len - chunk, int(window[row]), float(leak[row]), theta[row]
+        far_keys = None
+        if row_leak != 0:
+            far_keys = cos_sin((torch.arange(seq_len, dtype=torch.float64)[:, None] * (row_leak * row_theta))[:, None], self.dtype)
+        plan = PrefillRow(slice(int(starts[row]), int(starts[row + 1])), context, seq_len, row, w,
+                          first_far=max(0, w - context), far_keys=far_keys)
+        if w == 0:
+            return plan
+        tile = min(PREFILL_TILE, chunk)
+        tiles = -(-chunk // tile)
+        span = tile + w - 1
+        # key n of the band source: tile t covers sources [t*tile, t*tile + span)
+        source_position = context - w + 1 + torch.arange(tiles * tile + w - 1)
+        query_index = torch.arange(tiles * tile).view(tiles, tile)
+        key_position = source_position.as_strided((tiles, span), (tile, 1))
+        distance = (context + query_index)[:, :, None] - key_position[:, None, :]
+        visible = (distance >= 0) & (distance < w) & (key_position[:, None, :] >= 0)
+        visible[:, :, 0] |= ~visible.any(-1)  # padded query rows stay finite; they are dropped
+        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
+        plan.tile, plan.tiles = tile, tiles
+        plan.band_source = source_position.clamp(0, seq_len - 1)
+        plan.band_keys = cos_sin((plan.band_source.double()[:, None] * row_theta)[:, None], self.dtype)
+        plan.band_mask = mask.repeat(1, self.group, 1)[:, None]  # GQA: query heads folded into rows
+        return plan
 
 
 def merge_partials(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
@@ -195,7 +240,6 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
-    # ---- cache ------------------------------------------------------------------------
     def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
         """Unrotated keys and values into their slots: kv_cache ``[blocks, kv_heads, block, 2d]``."""
@@ -203,13 +247,6 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         slots = slot_mapping.long()
         kv_cache[slots // block_size, :, slots % block_size] = torch.cat((key, value), dim=-1)
 
-    def gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[..., length, kv_heads, d]`` of the blocks ``block_ids [..., nb]``."""
-        blocks = kv_cache[block_ids]  # [..., nb, kv, bs, 2d]
-        tokens = blocks.transpose(-3, -2).flatten(-4, -3)[..., :length, :, :]  # [..., nb*bs, kv, 2d]
-        return tokens[..., : self.head_size], tokens[..., self.head_size:]
-
-    # ---- forward ----------------------------------------------------------------------
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: RopeExtendMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,9 +260,9 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         if self.kv_sharing_target_layer_name is None:
             self.write_cache(key, value, kv_cache, meta.slot_mapping)
         query = query * meta.query_scale[:, None, None]
-        near_query = rotate_by(query, meta.near_query[0][:, None], meta.near_query[1][:, None])
-        far_query = rotate_by(query, meta.far_query[0][:, None], meta.far_query[1][:, None])
-        if meta.decode_rows.numel():
+        near_query = rotate_by(query, *meta.near_query)
+        far_query = rotate_by(query, *meta.far_query)
+        if meta.decode_tokens.numel():
             output[meta.decode_tokens] = self.decode(near_query, far_query, kv_cache, meta)
         for row in meta.prefill:
             output[row.tokens] = self.prefill(near_query[row.tokens], far_query[row.tokens], kv_cache, meta, row)
@@ -233,116 +270,81 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
 
     def decode(self, near_query: torch.Tensor, far_query: torch.Tensor, kv_cache: torch.Tensor,
                meta: RopeExtendMetadata) -> torch.Tensor:
-        """All decode rows at once: ``[Rd, heads, d]``."""
-        rows, seq_lens = meta.decode_rows, meta.decode_seq_lens
-        longest = int(seq_lens.max())
-        block_size = kv_cache.shape[2]
-        block_ids = meta.block_table[rows, : -(-longest // block_size)]
-        keys, values = self.gather(kv_cache, block_ids, longest)  # [Rd, S, kv, d]
+        """All decode rows at once, block by block of the paged cache: ``[Rd, heads, d]``."""
+        d, kv, group = self.head_size, self.num_kv_heads, self.group
+        blocks = kv_cache[meta.decode_block_ids]  # [Rd, nb, kv, bs, 2d]: the one copy of the cache
+        rows, num_blocks, _, block_size, _ = blocks.shape
+        keys, values = blocks[..., :d], blocks[..., d:]
         if meta.decode_far_keys is not None:
-            keys_far = rotate_by(keys, meta.decode_far_keys[0][:, :, None], meta.decode_far_keys[1][:, :, None])
+            keys_far = rotate_by(keys, *meta.decode_far_keys)
         else:
             keys_far = keys  # ReRoPE: old keys are read raw
-        q_far = far_query[meta.decode_tokens].view(-1, self.num_kv_heads, self.group, self.head_size)
-        scores = torch.einsum("rkgd,rskd->rkgs", q_far, keys_far)  # [Rd, kv, g, S]
-
-        position = torch.arange(longest)
-        query_position = seq_lens - 1
-        window = meta.decode_window
-        far = position[None, :] <= (query_position - window)[:, None]  # r >= w
-        valid = position[None, :] < seq_lens[:, None]
-        if meta.decode_band_keys is not None:
-            band = meta.decode_band_keys[0].shape[1]
-            band_position = meta.decode_band_start[:, None] + torch.arange(band)  # [Rd, W]
-            band_index = band_position.clamp(max=longest - 1)
-            band_keys = torch.gather(keys, 1, band_index[:, :, None, None].expand(-1, -1, self.num_kv_heads, self.head_size))
-            band_keys = rotate_by(band_keys, meta.decode_band_keys[0][:, :, None], meta.decode_band_keys[1][:, :, None])
-            q_near = near_query[meta.decode_tokens].view(-1, self.num_kv_heads, self.group, self.head_size)
+        q_far = far_query[meta.decode_tokens].view(rows, 1, kv, group, d)
+        scores = torch.matmul(q_far, keys_far.transpose(-1, -2))  # [Rd, nb, kv, g, bs]
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv, group, num_blocks * block_size)
+        if meta.decode_band is not None:
+            band_block, band_offset, target, band_cos, band_sin = meta.decode_band
+            row_index = torch.arange(rows)[:, None]
+            band_keys = rotate_by(keys[row_index, band_block, :, band_offset], band_cos, band_sin)  # [Rd, W, kv, d]
+            q_near = near_query[meta.decode_tokens].view(rows, kv, group, d)
             band_scores = torch.einsum("rkgd,rwkd->rkgw", q_near, band_keys)
-            in_band = (band_position < seq_lens[:, None]) & ((query_position[:, None] - band_position) < window[:, None])
-            # near keys take their band score; far keys keep the score against the far rule
-            target = torch.where(in_band, band_index, longest)  # out-of-band entries go to a spare column
-            scores = torch.cat((scores, scores.new_zeros(scores.shape[:-1] + (1,))), dim=-1)
+            scores = torch.cat((scores, scores.new_zeros(rows, kv, group, 1)), dim=-1)
             scores.scatter_(-1, target[:, None, None, :].expand_as(band_scores), band_scores)
-            scores = scores[..., :longest]
-            keep = valid & (far | (position[None, :] >= meta.decode_band_start[:, None]))
-        else:
-            keep = valid & far
-        scores = (scores * self.scale).masked_fill(~keep[:, None, None, :], float("-inf"))
+            scores = scores[..., :-1]
+        scores = (scores * self.scale).masked_fill(~meta.decode_keep[:, None, None, :], float("-inf"))
         weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.einsum("rkgs,rskd->rkgd", weights, values)
-        return out.reshape(-1, self.num_heads, self.head_size)
+        weights = weights.view(rows, kv, group, num_blocks, block_size).permute(0, 3, 1, 2, 4)
+        out = torch.matmul(weights, values).sum(dim=1)  # [Rd, kv, g, d]
+        return out.reshape(rows, self.num_heads, d)
 
     def prefill(self, near_query: torch.Tensor, far_query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: RopeExtendMetadata, row: PrefillRow) -> torch.Tensor:
         """One request's chunk of ``L`` queries at positions ``context .. seq_len-1``: ``[L, heads, d]``."""
-        chunk, context, seq_len, window = seq_len_of(row), row.context, row.seq_len, row.window
+        d, chunk, window = self.head_size, row.chunk, row.window
         block_size = kv_cache.shape[2]
-        keys, values = self.gather(kv_cache, meta.block_table[row.row, : -(-seq_len // block_size)], seq_len)
-        dtype = near_query.dtype
-        outputs, lses = [], []
+        blocks = kv_cache[meta.block_table[row.row, : -(-row.seq_len // block_size)]]  # [nb, kv, bs, 2d]
+        cached = blocks.transpose(1, 2).reshape(-1, self.num_kv_heads, 2 * d)[: row.seq_len]
+        keys, values = cached[..., :d], cached[..., d:]
 
-        # far part: queries m >= w see keys n <= m - w
-        first_far = max(0, window - context)  # first query (in the chunk) that has far keys
-        if first_far < chunk:
-            if row.leak != 0:
-                far_cos, far_sin = cos_sin(torch.arange(seq_len, dtype=torch.float64)[:, None] * (row.leak * row.theta), dtype)
-                far_keys = rotate_by(keys, far_cos[:, None], far_sin[:, None])
-            else:
-                far_keys = keys
-            q = heads_first(far_query[first_far:])[None]
-            parts_out, parts_lse = [], []
-            newest = context + first_far - window  # first key of the causal (triangle) part
-            k_tri = heads_first(far_keys[newest: newest + chunk - first_far], self.group)[None]
-            v_tri = heads_first(values[newest: newest + chunk - first_far], self.group)[None]
-            out, lse = flash_attention(q, k_tri, v_tri, self.scale, causal=True)
-            parts_out.append(out), parts_lse.append(lse)
+        if row.first_far < chunk:  # far part: queries m >= w see keys n <= m - w
+            far_keys = rotate_by(keys, *row.far_keys) if row.far_keys is not None else keys
+            q = heads_first(far_query[row.first_far:])[None]
+            newest = row.context + row.first_far - window  # first key of the causal (triangle) part
+            visible = slice(newest, newest + chunk - row.first_far)
+            out, lse = flash_attention(q, heads_first(far_keys[visible], self.group)[None],
+                                       heads_first(values[visible], self.group)[None], self.scale, causal=True)
+            parts_out, parts_lse = [out], [lse]
             if newest > 0:  # keys older than every query's window: all visible
                 out, lse = flash_attention(q, heads_first(far_keys[:newest], self.group)[None],
                                            heads_first(values[:newest], self.group)[None], self.scale)
                 parts_out.append(out), parts_lse.append(lse)
             far_out = merge_partials(parts_out, parts_lse)[0]  # [H, L - first_far, d]
             far_lse = torch.logsumexp(torch.stack(parts_lse), dim=0)[0]
-        # near part: keys with 0 <= m - n < w, in query tiles against their key band
-        if window > 0:
-            near_out, near_lse = self.near_band(near_query, keys, values, row, dtype)
-            if first_far < chunk:
-                merged_far = merge_partials([near_out[:, first_far:], far_out], [near_lse[:, first_far:], far_lse])
-                near_out = torch.cat((near_out[:, :first_far], merged_far), dim=1)
-            result = near_out
-        else:
-            result = far_out
-        return result.transpose(0, 1)
+            if window == 0:
+                return far_out.transpose(0, 1)
+        near_out, near_lse = self.near_band(near_query, keys, values, row)
+        if row.first_far < chunk:
+            merged = merge_partials([near_out[:, row.first_far:], far_out], [near_lse[:, row.first_far:], far_lse])
+            near_out = torch.cat((near_out[:, : row.first_far], merged), dim=1)
+        return near_out.transpose(0, 1)
 
-    def near_band(self, near_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row: PrefillRow,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sliding-window attention (plain RoPE inside the window) of a chunk, tile by tile in
-        one batched call: ``[H, L, d]`` and its log-sum-exp ``[H, L]``."""
-        chunk, context, window = seq_len_of(row), row.context, row.window
-        tile = min(PREFILL_TILE, chunk)
-        tiles = -(-chunk // tile)
-        span = tile + window - 1
-        query_index = torch.arange(tiles * tile).view(tiles, tile)
-        key_position = context + torch.arange(tiles)[:, None] * tile - window + 1 + torch.arange(span)  # [tiles, span]
-        query_position = context + query_index
-        distance = query_position[:, :, None] - key_position[:, None, :]
-        visible = (distance >= 0) & (distance < window) & (key_position[:, None, :] >= 0)
-        visible &= (query_index < chunk)[:, :, None]
-        visible[:, :, 0] |= ~visible.any(-1)  # keep padded rows finite; they are dropped below
-        key_index = key_position.clamp(0, row.seq_len - 1)
-        angle_cos, angle_sin = cos_sin(key_index.double()[..., None] * row.theta, dtype)
-        band_keys = rotate_by(keys[key_index], angle_cos[:, :, None], angle_sin[:, :, None])  # [tiles, span, kv, d]
-        queries = torch.nn.functional.pad(near_query, (0, 0, 0, 0, 0, tiles * tile - chunk)).view(tiles, tile, -1, self.head_size)
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))[:, None]
-        out, lse = flash_attention(heads_first(queries), heads_first(band_keys, self.group),
-                                   heads_first(values[key_index], self.group), self.scale, mask=mask)
-        out = out.transpose(0, 1).flatten(1, 2)[:, :chunk]  # [H, L, d]
-        lse = lse.transpose(0, 1).flatten(1, 2)[:, :chunk]
-        return out, lse
-
-
-def seq_len_of(row: PrefillRow) -> int:
-    return row.tokens.stop - row.tokens.start
+    def near_band(self, near_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  row: PrefillRow) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sliding-window attention (plain RoPE inside the window) of a chunk: query tiles
+        against overlapping views of one rotated copy of the band's keys, in one call.
+        Returns ``[H, L, d]`` and the log-sum-exp ``[H, L]``."""
+        d, kv, group, tile, tiles = self.head_size, self.num_kv_heads, self.group, row.tile, row.tiles
+        span = tile + row.window - 1
+        source_keys = rotate_by(keys[row.band_source], *row.band_keys)  # [sources, kv, d]
+        source_values = values[row.band_source].contiguous()
+        overlapping = (tiles, kv, span, d), (tile * kv * d, d, kv * d, 1)
+        band_keys, band_values = source_keys.as_strided(*overlapping), source_values.as_strided(*overlapping)
+        padded = torch.nn.functional.pad(near_query, (0, 0, 0, 0, 0, tiles * tile - row.chunk))
+        queries = padded.view(tiles, tile, kv, group, d).permute(0, 2, 3, 1, 4).reshape(tiles, kv, group * tile, d)
+        out, lse = flash_attention(queries, band_keys, band_values, self.scale, mask=row.band_mask)
+        out = out.view(tiles, kv, group, tile, d).permute(1, 2, 0, 3, 4).reshape(kv * group, tiles * tile, d)
+        lse = lse.view(tiles, kv, group, tile).permute(1, 2, 0, 3).reshape(kv * group, tiles * tile)
+        return out[:, : row.chunk], lse[:, : row.chunk]
 
 
 class RopeExtendAttentionBackend(AttentionBackend):
