@@ -34,6 +34,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from .native import decode_kernel
 from .requests import RequestSettingsTracker, log_n_factor
 from .rotary import rotate_by
 
@@ -85,6 +86,7 @@ class RopeExtendMetadata:
     decode_keep: torch.Tensor  # [Rd, nb*bs] keys each row attends to
     decode_far_keys: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin of n ρ θ, [Rd, nb, 1, bs, d/2]
     decode_band: tuple[torch.Tensor, ...] | None  # block [Rd, W], offset [Rd, W], target [Rd, W], cos, sin [Rd, W, 1, d/2]
+    decode_rules: tuple[torch.Tensor, ...] | None = None  # seq_lens, window, band start, rotate_far [Rd] (kernel)
 
 
 class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
@@ -148,7 +150,8 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
         rows, block_size = decode.numel(), self.block_size
         if rows == 0:
             empty = torch.empty(0, 0, dtype=torch.int64)
-            return dict(decode_block_ids=empty, decode_keep=empty.bool(), decode_far_keys=None, decode_band=None)
+            return dict(decode_block_ids=empty, decode_keep=empty.bool(), decode_far_keys=None, decode_band=None,
+                        decode_rules=None)
         seq = seq_lens[decode]
         blocks = -(-int(seq.max()) // block_size)
         position = torch.arange(blocks * block_size)
@@ -160,9 +163,10 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
             far_keys = cos_sin(angle.view(rows, blocks, 1, block_size, -1), self.dtype)
         band_width = min(int(row_window.max()), int(seq.max()))
         band = None
+        band_start = (seq - band_width).clamp(min=0)
         if band_width > 0:
             query_position = seq - 1
-            band_position = (seq - band_width).clamp(min=0)[:, None] + torch.arange(band_width)  # [Rd, W]
+            band_position = band_start[:, None] + torch.arange(band_width)  # [Rd, W]
             in_band = (band_position < seq[:, None]) & (query_position[:, None] - band_position < row_window[:, None])
             band_position = band_position.clamp(max=blocks * block_size - 1)
             # near keys take their band score, the rest of the band goes to a spare column
@@ -170,7 +174,7 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
             band_cos, band_sin = cos_sin((band_position.double()[..., None] * row_theta[:, None, :])[:, :, None], self.dtype)
             band = (band_position // block_size, band_position % block_size, target, band_cos, band_sin)
         return dict(decode_block_ids=block_table[decode, :blocks], decode_keep=keep, decode_far_keys=far_keys,
-                    decode_band=band)
+                    decode_band=band, decode_rules=(seq, row_window, band_start, row_leak != 0))
 
     def prefill_plan(self, row, starts, query_lens, seq_lens, window, leak, theta) -> PrefillRow:
         chunk, seq_len = int(query_lens[row]), int(seq_lens[row])
@@ -239,6 +243,7 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         self.group = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.use_kernel = True  # the tests switch it off to compare against the PyTorch path
 
     def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
@@ -270,6 +275,26 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
 
     def decode(self, near_query: torch.Tensor, far_query: torch.Tensor, kv_cache: torch.Tensor,
                meta: RopeExtendMetadata) -> torch.Tensor:
+        """All decode rows at once: ``[Rd, heads, d]``. The C++ kernel reads the paged cache
+        in place; :meth:`decode_reference` is the same computation in PyTorch."""
+        kernel = decode_kernel() if kv_cache.dtype == torch.float32 and self.use_kernel else None
+        if kernel is None:
+            return self.decode_reference(near_query, far_query, kv_cache, meta)
+        seq_lens, window, band_start, rotate_far = meta.decode_rules
+        empty = kv_cache.new_empty(0)
+        near_cos, near_sin = (meta.decode_band[3], meta.decode_band[4]) if meta.decode_band is not None else (empty, empty)
+        far_cos, far_sin = meta.decode_far_keys if meta.decode_far_keys is not None else (empty, empty)
+        rows = meta.decode_tokens.numel()
+        return kernel.decode_attention(
+            near_query[meta.decode_tokens], far_query[meta.decode_tokens], kv_cache, meta.decode_block_ids,
+            seq_lens, window, band_start, near_cos.reshape(rows, -1, self.head_size // 2) if near_cos.numel() else empty,
+            near_sin.reshape(rows, -1, self.head_size // 2) if near_sin.numel() else empty,
+            far_cos.reshape(rows, -1, self.head_size // 2) if far_cos.numel() else empty,
+            far_sin.reshape(rows, -1, self.head_size // 2) if far_sin.numel() else empty,
+            rotate_far, self.scale)
+
+    def decode_reference(self, near_query: torch.Tensor, far_query: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: RopeExtendMetadata) -> torch.Tensor:
         """All decode rows at once, block by block of the paged cache: ``[Rd, heads, d]``."""
         d, kv, group = self.head_size, self.num_kv_heads, self.group
         blocks = kv_cache[meta.decode_block_ids]  # [Rd, nb, kv, bs, 2d]: the one copy of the cache

@@ -1,0 +1,148 @@
+// Single-pass decode attention over the pre-rotation paged KV cache (float32).
+//
+// One query per row at position m = seq_len - 1. A key at position n scores
+//   dist = m - n < window[r] : q_near . R(n theta) k_n      (the near band, rotated on the fly)
+//   otherwise                : q_far  . R(n rho theta) k_n  (or q_far . k_n when rho = 0: ReRoPE)
+// The cache is read once, in place (no gather copy); keys are split into chunks so both
+// cores work on a single request, and the chunks' partial softmaxes are merged at the end.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 512;  // keys per work item
+
+inline void rotate_key(const float* key, const float* cos, const float* sin, int64_t half, float* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float first = key[i], second = key[i + half];
+    out[i] = first * cos[i] - second * sin[i];
+    out[i + half] = second * cos[i] + first * sin[i];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float total = 0.f;
+  for (int64_t i = 0; i < d; ++i) total += a[i] * b[i];
+  return total;
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(
+    const torch::Tensor& q_near,      // [R, H, d]
+    const torch::Tensor& q_far,       // [R, H, d]
+    const torch::Tensor& kv_cache,    // [blocks, kv, bs, 2d] (any strides, last dim contiguous)
+    const torch::Tensor& block_table, // [R, max_blocks] int
+    const torch::Tensor& seq_lens,    // [R] int64
+    const torch::Tensor& window,      // [R] int64
+    const torch::Tensor& band_start,  // [R] int64: first key position of the near tables
+    const torch::Tensor& near_cos,    // [R, W, d/2]
+    const torch::Tensor& near_sin,
+    const torch::Tensor& far_cos,     // [R, S, d/2] or empty
+    const torch::Tensor& far_sin,
+    const torch::Tensor& rotate_far,  // [R] bool
+    double scale) {
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32, "decode_attention: float32 only");
+  TORCH_CHECK(kv_cache.stride(3) == 1, "decode_attention: the cache's last dim must be contiguous");
+  const int64_t rows = q_near.size(0), heads = q_near.size(1), d = q_near.size(2), half = d / 2;
+  const int64_t kv_heads = kv_cache.size(1), block_size = kv_cache.size(2), group = heads / kv_heads;
+  const int64_t cache_s0 = kv_cache.stride(0), cache_s1 = kv_cache.stride(1), cache_s2 = kv_cache.stride(2);
+
+  auto qn = q_near.contiguous(), qf = q_far.contiguous();
+  auto table = block_table.to(torch::kInt64).contiguous();
+  auto lens = seq_lens.to(torch::kInt64).contiguous(), win = window.to(torch::kInt64).contiguous();
+  auto start = band_start.to(torch::kInt64).contiguous();
+  auto ncos = near_cos.contiguous(), nsin = near_sin.contiguous();
+  auto fcos = far_cos.contiguous(), fsin = far_sin.contiguous();
+  auto rot = rotate_far.to(torch::kBool).contiguous();
+  const int64_t band_width = ncos.numel() ? ncos.size(1) : 0;
+  const int64_t far_len = fcos.numel() ? fcos.size(1) : 0;
+
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < rows; ++r) max_len = std::max(max_len, lens_p[r]);
+  const int64_t chunks = (max_len + kChunk - 1) / kChunk;
+
+  // partial results per (row, kv head, chunk): max and sum per query head, and the output sum
+  auto partial_max = torch::full({rows, kv_heads, chunks, group}, -std::numeric_limits<float>::infinity());
+  auto partial_sum = torch::zeros({rows, kv_heads, chunks, group});
+  auto partial_out = torch::zeros({rows, kv_heads, chunks, group, d});
+
+  const float* cache = kv_cache.data_ptr<float>();
+  const float* qn_p = qn.data_ptr<float>();
+  const float* qf_p = qf.data_ptr<float>();
+  const int64_t* table_p = table.data_ptr<int64_t>();
+  const int64_t* win_p = win.data_ptr<int64_t>();
+  const int64_t* start_p = start.data_ptr<int64_t>();
+  const float* ncos_p = band_width ? ncos.data_ptr<float>() : nullptr;
+  const float* nsin_p = band_width ? nsin.data_ptr<float>() : nullptr;
+  const float* fcos_p = far_len ? fcos.data_ptr<float>() : nullptr;
+  const float* fsin_p = far_len ? fsin.data_ptr<float>() : nullptr;
+  const bool* rot_p = rot.data_ptr<bool>();
+  float* pmax = partial_max.data_ptr<float>();
+  float* psum = partial_sum.data_ptr<float>();
+  float* pout = partial_out.data_ptr<float>();
+  const int64_t table_stride = table.size(1);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(d), scores(kChunk * group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item % chunks, h = (item / chunks) % kv_heads, r = item / (chunks * kv_heads);
+      const int64_t length = lens_p[r], first = chunk * kChunk, last = std::min(first + kChunk, length);
+      if (first >= last) continue;
+      const int64_t m = length - 1;
+      const float* near_q = qn_p + (r * heads + h * group) * d;
+      const float* far_q = qf_p + (r * heads + h * group) * d;
+      float* chunk_max = pmax + ((r * kv_heads + h) * chunks + chunk) * group;
+      float* chunk_sum = psum + ((r * kv_heads + h) * chunks + chunk) * group;
+      float* chunk_out = pout + ((r * kv_heads + h) * chunks + chunk) * group * d;
+
+      for (int64_t n = first; n < last; ++n) {
+        const float* key = cache + table_p[r * table_stride + n / block_size] * cache_s0 + h * cache_s1 +
+                           (n % block_size) * cache_s2;
+        const float* scored = key;
+        const float* q = far_q;
+        if (m - n < win_p[r]) {
+          const int64_t j = n - start_p[r];
+          rotate_key(key, ncos_p + (r * band_width + j) * half, nsin_p + (r * band_width + j) * half, half, rotated.data());
+          scored = rotated.data();
+          q = near_q;
+        } else if (rot_p[r]) {
+          rotate_key(key, fcos_p + (r * far_len + n) * half, fsin_p + (r * far_len + n) * half, half, rotated.data());
+          scored = rotated.data();
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float s = dot(q + g * d, scored, d) * fscale;
+          scores[(n - first) * group + g] = s;
+          chunk_max[g] = std::max(chunk_max[g], s);
+        }
+      }
+      for (int64_t n = first; n < last; ++n) {
+        const float* value = cache + table_p[r * table_stride + n / block_size] * cache_s0 + h * cache_s1 +
+                             (n % block_size) * cache_s2 + d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = std::exp(scores[(n - first) * group + g] - chunk_max[g]);
+          chunk_sum[g] += p;
+          float* out = chunk_out + g * d;
+          for (int64_t i = 0; i < d; ++i) out[i] += p * value[i];
+        }
+      }
+    }
+  });
+
+  // merge the chunks: softmax over all keys = sum_c exp(max_c - M) out_c / sum_c exp(max_c - M) sum_c
+  auto global_max = std::get<0>(partial_max.max(2, /*keepdim=*/true));
+  auto weight = (partial_max - global_max).exp();  // empty chunks: exp(-inf) = 0
+  auto numerator = (partial_out * weight.unsqueeze(-1)).sum(2);
+  auto denominator = (partial_sum * weight).sum(2).unsqueeze(-1);
+  return (numerator / denominator).reshape({rows, heads, d});
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "single-pass decode attention on the pre-rotation paged cache");
+}
