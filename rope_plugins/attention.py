@@ -114,13 +114,18 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RopeExtendMetadata:
         common = common_attn_metadata
-        rows, tokens = common.num_reqs, common.num_actual_tokens
-        tables = self.tracker().tables
-        theta, window, leak = tables.theta[:rows], tables.window[:rows], tables.leak[:rows]
+        rows = common.num_reqs
+        return self.plan(self.tracker().tables, common.query_start_loc_cpu[: rows + 1].to(torch.int64),
+                         common.seq_lens[:rows].to("cpu", torch.int64), common.block_table_tensor,
+                         common.slot_mapping[: common.num_actual_tokens])
 
-        starts = common.query_start_loc_cpu[: rows + 1].to(torch.int64)
+    def plan(self, tables, starts: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+             slot_mapping: torch.Tensor) -> RopeExtendMetadata:
+        """The step's metadata from plain tensors: row starts ``[R+1]`` in the flat token order,
+        sequence lengths ``[R]``, block table, slots, and the rows' settings tables."""
+        rows, tokens = seq_lens.numel(), int(starts[-1])
+        theta, window, leak = tables.theta[:rows], tables.window[:rows], tables.leak[:rows]
         query_lens = starts[1:] - starts[:-1]
-        seq_lens = common.seq_lens[:rows].to("cpu", torch.int64)
         token_row = torch.repeat_interleave(torch.arange(rows), query_lens, output_size=tokens)
         # position of each token: the request's context plus its offset in the chunk
         positions = (seq_lens - query_lens)[token_row] + torch.arange(tokens) - starts[:-1][token_row]
@@ -135,14 +140,14 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
                    for r in (query_lens > 1).nonzero().flatten().tolist()]
         return RopeExtendMetadata(
             num_actual_tokens=tokens,
-            slot_mapping=common.slot_mapping[:tokens],
-            block_table=common.block_table_tensor,
+            slot_mapping=slot_mapping,
+            block_table=block_table,
             query_scale=query_scale.to(self.dtype),
             near_query=cos_sin((positions[:, None].double() * token_theta)[:, None], self.dtype),
             far_query=cos_sin((far_position[:, None] * token_theta)[:, None], self.dtype),
             prefill=prefill,
             decode_tokens=starts[:-1][decode],
-            **self.decode_plan(decode, seq_lens, window, leak, theta, common.block_table_tensor),
+            **self.decode_plan(decode, seq_lens, window, leak, theta, block_table),
         )
 
     def decode_plan(self, decode, seq_lens, window, leak, theta, block_table) -> dict:
@@ -244,6 +249,7 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.use_kernel = True  # the tests switch it off to compare against the PyTorch path
+        decode_kernel()  # build or load it now, at model construction, not inside the first step
 
     def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
@@ -264,39 +270,43 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         query, key, value = query[:tokens], key[:tokens], value[:tokens]
         if self.kv_sharing_target_layer_name is None:
             self.write_cache(key, value, kv_cache, meta.slot_mapping)
-        query = query * meta.query_scale[:, None, None]
-        near_query = rotate_by(query, *meta.near_query)
-        far_query = rotate_by(query, *meta.far_query)
         if meta.decode_tokens.numel():
-            output[meta.decode_tokens] = self.decode(near_query, far_query, kv_cache, meta)
+            output[meta.decode_tokens] = self.decode(query[meta.decode_tokens], kv_cache, meta)
         for row in meta.prefill:
-            output[row.tokens] = self.prefill(near_query[row.tokens], far_query[row.tokens], kv_cache, meta, row)
+            scaled = query[row.tokens] * meta.query_scale[row.tokens, None, None]
+            near_query = rotate_by(scaled, meta.near_query[0][row.tokens], meta.near_query[1][row.tokens])
+            far_query = rotate_by(scaled, meta.far_query[0][row.tokens], meta.far_query[1][row.tokens])
+            output[row.tokens] = self.prefill(near_query, far_query, kv_cache, meta, row)
         return output
 
-    def decode(self, near_query: torch.Tensor, far_query: torch.Tensor, kv_cache: torch.Tensor,
-               meta: RopeExtendMetadata) -> torch.Tensor:
-        """All decode rows at once: ``[Rd, heads, d]``. The C++ kernel reads the paged cache
-        in place; :meth:`decode_reference` is the same computation in PyTorch."""
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: RopeExtendMetadata) -> torch.Tensor:
+        """All decode rows at once from their unrotated queries ``[Rd, heads, d]``. The C++
+        kernel reads the paged cache in place and rotates as it goes; :meth:`decode_reference`
+        is the same computation in PyTorch."""
         kernel = decode_kernel() if kv_cache.dtype == torch.float32 and self.use_kernel else None
         if kernel is None:
-            return self.decode_reference(near_query, far_query, kv_cache, meta)
+            return self.decode_reference(query, kv_cache, meta)
         seq_lens, window, band_start, rotate_far = meta.decode_rules
+        rows, half = query.shape[0], self.head_size // 2
+        tokens = meta.decode_tokens
+        query_cos = torch.stack((meta.near_query[0][tokens, 0], meta.far_query[0][tokens, 0]), dim=1)
+        query_sin = torch.stack((meta.near_query[1][tokens, 0], meta.far_query[1][tokens, 0]), dim=1)
         empty = kv_cache.new_empty(0)
         near_cos, near_sin = (meta.decode_band[3], meta.decode_band[4]) if meta.decode_band is not None else (empty, empty)
         far_cos, far_sin = meta.decode_far_keys if meta.decode_far_keys is not None else (empty, empty)
-        rows = meta.decode_tokens.numel()
+        as_rows = lambda table: table.reshape(rows, -1, half) if table.numel() else empty  # noqa: E731
         return kernel.decode_attention(
-            near_query[meta.decode_tokens], far_query[meta.decode_tokens], kv_cache, meta.decode_block_ids,
-            seq_lens, window, band_start, near_cos.reshape(rows, -1, self.head_size // 2) if near_cos.numel() else empty,
-            near_sin.reshape(rows, -1, self.head_size // 2) if near_sin.numel() else empty,
-            far_cos.reshape(rows, -1, self.head_size // 2) if far_cos.numel() else empty,
-            far_sin.reshape(rows, -1, self.head_size // 2) if far_sin.numel() else empty,
+            query, meta.query_scale[tokens], query_cos, query_sin, kv_cache, meta.decode_block_ids,
+            seq_lens, window, band_start, as_rows(near_cos), as_rows(near_sin), as_rows(far_cos), as_rows(far_sin),
             rotate_far, self.scale)
 
-    def decode_reference(self, near_query: torch.Tensor, far_query: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: RopeExtendMetadata) -> torch.Tensor:
+    def decode_reference(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: RopeExtendMetadata) -> torch.Tensor:
         """All decode rows at once, block by block of the paged cache: ``[Rd, heads, d]``."""
         d, kv, group = self.head_size, self.num_kv_heads, self.group
+        tokens = meta.decode_tokens
+        scaled = query * meta.query_scale[tokens, None, None]
+        near_query = rotate_by(scaled, meta.near_query[0][tokens], meta.near_query[1][tokens])
+        far_query = rotate_by(scaled, meta.far_query[0][tokens], meta.far_query[1][tokens])
         blocks = kv_cache[meta.decode_block_ids]  # [Rd, nb, kv, bs, 2d]: the one copy of the cache
         rows, num_blocks, _, block_size, _ = blocks.shape
         keys, values = blocks[..., :d], blocks[..., d:]
@@ -304,14 +314,14 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
             keys_far = rotate_by(keys, *meta.decode_far_keys)
         else:
             keys_far = keys  # ReRoPE: old keys are read raw
-        q_far = far_query[meta.decode_tokens].view(rows, 1, kv, group, d)
+        q_far = far_query.view(rows, 1, kv, group, d)
         scores = torch.matmul(q_far, keys_far.transpose(-1, -2))  # [Rd, nb, kv, g, bs]
         scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv, group, num_blocks * block_size)
         if meta.decode_band is not None:
             band_block, band_offset, target, band_cos, band_sin = meta.decode_band
             row_index = torch.arange(rows)[:, None]
             band_keys = rotate_by(keys[row_index, band_block, :, band_offset], band_cos, band_sin)  # [Rd, W, kv, d]
-            q_near = near_query[meta.decode_tokens].view(rows, kv, group, d)
+            q_near = near_query.view(rows, kv, group, d)
             band_scores = torch.einsum("rkgd,rwkd->rkgw", q_near, band_keys)
             scores = torch.cat((scores, scores.new_zeros(rows, kv, group, 1)), dim=-1)
             scores.scatter_(-1, target[:, None, None, :].expand_as(band_scores), band_scores)

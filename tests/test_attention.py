@@ -1,0 +1,86 @@
+"""The attention backend's paths on a hand-made paged cache, against the oracle:
+the C++ decode kernel, the PyTorch decode path, and prefill from a cached context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rope_plugins.attention import RopeExtendAttentionImpl, RopeExtendMetadataBuilder
+from rope_plugins.native import decode_kernel
+from rope_plugins.reference import reference_attention
+from rope_plugins.requests import RowTables, row_values
+from rope_plugins.settings import ExtensionSettings
+
+BASE, TRAIN, D, KV, GROUP, BLOCK = 10000.0, 64, 32, 2, 3, 16
+ROWS = [  # (settings, context length before this step, query tokens this step)
+    (ExtensionSettings(method="rerope", window=37, train_length=TRAIN), 150, 1),
+    (ExtensionSettings(method="leaky_rerope", window=20, leaky_k=4.0, log_n=True, train_length=TRAIN), 90, 1),
+    (ExtensionSettings(method="ntk_mixed", factor=4.0, train_length=TRAIN), 257, 1),
+    (ExtensionSettings(method="rerope", window=50, train_length=TRAIN), 10, 1),
+    (ExtensionSettings(method="yarn", factor=2.0, log_n=True, train_length=TRAIN), 70, 45),
+    (ExtensionSettings(method="leaky_rerope", window=33, leaky_k=2.0, train_length=TRAIN), 120, 60),
+]
+
+
+def make_step(seed=0):
+    """A paged cache holding every row's unrotated keys/values, and the step's inputs."""
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    lengths = [context + new for _, context, new in ROWS]
+    blocks_per_row = [-(-n // BLOCK) for n in lengths]
+    cache = torch.zeros(sum(blocks_per_row) + 3, KV, BLOCK, 2 * D)
+    permutation = torch.randperm(cache.shape[0], generator=generator)
+    block_table = torch.zeros(len(ROWS), max(blocks_per_row), dtype=torch.int64)
+    sequences, start, slots = [], 0, []
+    for r, n in enumerate(lengths):
+        block_table[r, : blocks_per_row[r]] = permutation[start: start + blocks_per_row[r]]
+        start += blocks_per_row[r]
+        q, k, v = randn(n, KV * GROUP, D), randn(n, KV, D), randn(n, KV, D)
+        position = torch.arange(n)
+        cache[block_table[r, position // BLOCK], :, position % BLOCK] = torch.cat((k, v), -1)
+        sequences.append((q, k, v))
+        new = ROWS[r][2]
+        slots.append(block_table[r, position[-new:] // BLOCK] * BLOCK + position[-new:] % BLOCK)
+    tables = RowTables(len(ROWS), D // 2)
+    for r, (settings, _, _) in enumerate(ROWS):
+        tables.write(r, row_values(settings, D, BASE))
+    builder = object.__new__(RopeExtendMetadataBuilder)  # the planning methods need only these
+    builder.block_size, builder.group, builder.dtype = BLOCK, GROUP, torch.float32
+    starts = torch.tensor([0] + [new for _, _, new in ROWS]).cumsum(0)
+    meta = builder.plan(tables, starts, torch.tensor(lengths), block_table, torch.cat(slots))
+    query = torch.cat([q[-new:] for (q, _, _), (_, _, new) in zip(sequences, ROWS)])
+    key = torch.cat([k[-new:] for (_, k, _), (_, _, new) in zip(sequences, ROWS)])
+    value = torch.cat([v[-new:] for (_, _, v), (_, _, new) in zip(sequences, ROWS)])
+    return cache, meta, sequences, query, key, value, starts
+
+
+def expected_outputs(sequences, starts):
+    rows = []
+    for (settings, _, new), (q, k, v) in zip(ROWS, sequences):
+        rows.append(reference_attention(q, k, v, settings, base=BASE)[-new:])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "pytorch"])
+def test_step_matches_oracle(use_kernel):
+    if use_kernel and decode_kernel() is None:
+        pytest.skip("no compiler for the C++ kernel here")
+    cache, meta, sequences, query, key, value, starts = make_step()
+    impl = RopeExtendAttentionImpl(KV * GROUP, D, D**-0.5, KV, None, None, "auto")
+    impl.use_kernel = use_kernel
+    output = torch.empty_like(query)
+    impl.forward(None, query, key, value, cache, meta, output)
+    expected = expected_outputs(sequences, starts).float()
+    assert (output - expected).abs().max().item() < 2e-5
+
+
+def test_kernel_equals_pytorch_decode_bit_for_bit_close():
+    if decode_kernel() is None:
+        pytest.skip("no compiler for the C++ kernel here")
+    cache, meta, _, query, _, _, _ = make_step(seed=3)
+    impl = RopeExtendAttentionImpl(KV * GROUP, D, D**-0.5, KV, None, None, "auto")
+    decode_query = query[meta.decode_tokens]
+    fast = impl.decode(decode_query, cache, meta)
+    reference = impl.decode_reference(decode_query, cache, meta)
+    assert (fast - reference).abs().max().item() < 1e-5
