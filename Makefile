@@ -2,7 +2,7 @@
 # Both install what they need first (scripts/install.sh is idempotent: a stamp skips it).
 PY := .venv/bin/python
 
-.PHONY: install run test bench-base-bound
+.PHONY: install run test bench-base-bound bench-speed
 
 install:
 	@./scripts/install.sh
@@ -12,6 +12,9 @@ run: install
 
 test: install
 	$(PY) -m pytest
+
+bench-speed: install
+	$(PY) bench/speed.py
 
 bench-base-bound: install
 	$(PY) bench/base_bound_row.py

@@ -12,7 +12,7 @@ PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
 stamp="$VENV/.install-stamp"
-want="$FLAVOUR $(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+want="$FLAVOUR $(cat pyproject.toml scripts/install.sh rope_plugins/csrc/*.cpp | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     echo "install: $VENV is up to date"
     exit 0
@@ -27,4 +27,6 @@ echo "install: vLLM ($FLAVOUR) and the project, this takes a few minutes the fir
 "${pip[@]}" install --progress-bar off -e ".[$FLAVOUR,dev]"
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, transformers, vllm; print('install: torch', torch.__version__, '| vllm', vllm.__version__)"
+echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"
+"$VENV/bin/python" -m rope_plugins.native
 echo "$want" > "$stamp"

@@ -1,0 +1,202 @@
+"""Speed of the plugin against stock vLLM (plain RoPE, same checkpoint, same engine settings).
+
+    .venv/bin/python bench/speed.py            # 2k, 8k, 16k; 3 repetitions
+    .venv/bin/python bench/speed.py --quick    # 2k, 8k; 2 repetitions
+
+Both engines live in this process for the whole run and the configurations are interleaved
+(the order rotates every repetition), so machine noise hits all alike; medians are reported.
+Per length and configuration: prefill time of a fresh prompt, and time per output token
+(TPOT) from two runs on the now-cached prompt (1 and 1+N new tokens). Then a batch of 8
+concurrent requests with mixed settings against 8 plain ones on stock vLLM, and the KV-cache
+bytes per token of both engines. Writes bench/results/speed.json and speed.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+KV_BYTES = 3 << 30
+CONFIGS = ["stock", "rerope", "leaky_rerope", "ntk_mixed"]
+BATCH_MIX = [{"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "ntk_mixed"}, {"method": "none"},
+             {"method": "yarn"}, {"method": "pi"}, {"method": "rerope", "log_n": True}, {"method": "ntk_fixed"}]
+
+
+class PeakMemory:
+    """Peak resident memory of this process and its children (the engine processes)."""
+
+    def __init__(self):
+        import psutil
+
+        self.process, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+
+    def _total(self) -> int:
+        total = self.process.memory_info().rss
+        for child in self.process.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except Exception:
+                pass
+        return total
+
+    def __enter__(self):
+        self.peak = self._total()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self):
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, self._total())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions")
+    parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.lengths, args.reps = [2048, 8192], 2
+
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+
+    from rope_plugins.engine import engine_kwargs, extension_request
+    from rope_plugins.requests import engine_defaults
+    from server.provision import provision_default_model
+
+    model = str(provision_default_model())
+    longest = max(args.lengths) + args.decode_tokens + 64
+    max_len = 1 << (longest - 1).bit_length()
+    common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
+                  max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
+    stock = LLM(model=model, hf_overrides={"max_position_embeddings": max_len}, **common)
+    plugin = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common))
+    defaults = engine_defaults(plugin.llm_engine.vllm_config.model_config.hf_config)
+
+    def run(config: str, ids: list[int], max_tokens: int) -> float:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if config == "stock":
+            llm, prompt = stock, {"prompt_token_ids": ids}
+        else:
+            llm = plugin
+            prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, {"method": config}, defaults)
+        began = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        return time.perf_counter() - began
+
+    samples: dict[str, dict[int, dict[str, list[float]]]] = {c: {n: {"prefill": [], "tpot": []} for n in args.lengths}
+                                                            for c in CONFIGS}
+    peak: dict[str, dict[int, int]] = {c: {} for c in CONFIGS}
+    rng = random.Random(0)
+    run("stock", [5] * 64, 2), run("rerope", [5] * 64, 2)  # warm both engines
+    jobs = [(rep, n) for rep in range(args.reps) for n in args.lengths]
+    with tqdm(total=len(jobs) * len(CONFIGS), desc="speed", unit="run") as bar:
+        for rep, n in jobs:
+            order = CONFIGS[rep % len(CONFIGS):] + CONFIGS[: rep % len(CONFIGS)]
+            for config in order:
+                ids = [rng.randrange(100, 40000) for _ in range(n)]
+                with PeakMemory() as memory:
+                    samples[config][n]["prefill"].append(run(config, ids, 1))
+                peak[config][n] = max(peak[config].get(n, 0), memory.peak)
+                one = run(config, ids, 1)
+                many = run(config, ids, 1 + args.decode_tokens)
+                samples[config][n]["tpot"].append((many - one) / args.decode_tokens)
+                bar.set_postfix(length=n, config=config)
+                bar.update()
+
+    # a batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM
+    batch_length, batch_tokens = 2048, 64
+    batch = {"plugin_mixed": [], "stock_plain": []}
+    for rep in range(args.reps):
+        prompts = [[rng.randrange(100, 40000) for _ in range(batch_length)] for _ in BATCH_MIX]
+        params = SamplingParams(max_tokens=batch_tokens, temperature=0.0, ignore_eos=True)
+        built = [extension_request({"prompt_token_ids": p}, params, f, defaults) for p, f in zip(prompts, BATCH_MIX)]
+        for name in (["plugin_mixed", "stock_plain"] if rep % 2 == 0 else ["stock_plain", "plugin_mixed"]):
+            began = time.perf_counter()
+            if name == "stock_plain":
+                stock.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            else:
+                plugin.generate([b[0] for b in built], [b[1] for b in built], use_tqdm=False)
+            batch[name].append(len(prompts) * batch_tokens / (time.perf_counter() - began))
+
+    def kv_bytes_per_token(llm) -> float:
+        cache = llm.llm_engine.vllm_config.cache_config
+        return KV_BYTES / (cache.num_gpu_blocks * cache.block_size)
+
+    median = statistics.median
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "model": "SmolLM2-135M-Instruct (float32)", "reps": args.reps, "decode_tokens": args.decode_tokens,
+        "lengths": args.lengths,
+        "median": {c: {n: {k: median(v) for k, v in samples[c][n].items()} for n in args.lengths} for c in CONFIGS},
+        "ratio_to_stock": {c: {n: {k: median(samples[c][n][k]) / median(samples["stock"][n][k]) for k in ("prefill", "tpot")}
+                               for n in args.lengths} for c in CONFIGS if c != "stock"},
+        "samples": samples,
+        "batch8": {"length": batch_length, "new_tokens": batch_tokens,
+                   "tokens_per_second": {k: median(v) for k, v in batch.items()},
+                   "throughput_ratio": median(batch["plugin_mixed"]) / median(batch["stock_plain"])},
+        "kv_bytes_per_token": {"stock": kv_bytes_per_token(stock), "plugin": kv_bytes_per_token(plugin)},
+        "peak_process_bytes": peak,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out.with_suffix(".png"))
+    print_summary(report)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = report["lengths"]
+    figure, (prefill, tpot) = plt.subplots(1, 2, figsize=(10, 4))
+    for config, values in report["median"].items():
+        prefill.plot(lengths, [values[n]["prefill"] for n in lengths], "o-", label=config)
+        tpot.plot(lengths, [values[n]["tpot"] * 1000 for n in lengths], "o-", label=config)
+    prefill.set(xlabel="prompt tokens", ylabel="prefill seconds", title="prefill time vs context")
+    tpot.set(xlabel="context tokens", ylabel="ms per output token", title="decode time per token vs context")
+    for axis in (prefill, tpot):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle(f"SmolLM2-135M fp32, {report['machine']}, medians of {report['reps']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def print_summary(report: dict) -> None:
+    print(f"\n{'length':>7} {'config':>13} {'prefill s':>10} {'x stock':>8} {'TPOT ms':>8} {'x stock':>8}")
+    for n in report["lengths"]:
+        for config, values in report["median"].items():
+            ratio = report["ratio_to_stock"].get(config, {}).get(n, {"prefill": 1.0, "tpot": 1.0})
+            print(f"{n:>7} {config:>13} {values[n]['prefill']:>10.2f} {ratio['prefill']:>8.2f}"
+                  f" {values[n]['tpot'] * 1000:>8.1f} {ratio['tpot']:>8.2f}")
+    b = report["batch8"]
+    print(f"batch of 8 x {b['length']} tokens, {b['new_tokens']} new each: plugin (mixed settings) "
+          f"{b['tokens_per_second']['plugin_mixed']:.1f} tok/s, stock {b['tokens_per_second']['stock_plain']:.1f} tok/s,"
+          f" ratio {b['throughput_ratio']:.2f}")
+    kv = report["kv_bytes_per_token"]
+    print(f"KV-cache bytes per token: stock {kv['stock']:.0f}, plugin {kv['plugin']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
