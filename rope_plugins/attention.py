@@ -9,9 +9,11 @@ inside attention by each request's own rule. Every method is one general rule pe
   old keys are read raw against one pre-rotated query; Leaky ReRoPE ``ρ = 1/k``; frequency
   methods are all "beyond" (``w = 0, ρ = 1``) with their own ``θ``.
 
-Decode rows (one query each) are batched together: one score per cached key ("far" rule
-against the whole cache), then the band of the last ``w`` keys rescored with the "near" rule,
-one softmax. Prefill rows use PyTorch's fused CPU flash attention three times: the near band
+Decode rows (one query each) are batched together in one call of the C++ kernel
+(``csrc/decode_attention.cpp``): it reads the paged cache in place, once, scoring each key
+under its row's rule (rotating only band keys, and old keys only when ``ρ != 0``), with the
+keys split into chunks across cores and the partial softmaxes merged.
+:meth:`RopeExtendAttentionImpl.decode_reference` is the same computation in PyTorch. Prefill rows use PyTorch's fused CPU flash attention three times: the near band
 (query tiles against their ``w``-wide key band), and the far part as a causal call shifted by
 ``w`` plus a dense call for keys older than the chunk; the partial results are merged by
 their log-sum-exp. Work is one attention plus the band, never two full score matrices.

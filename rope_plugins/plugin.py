@@ -1,15 +1,14 @@
 """vLLM entry point (``vllm.general_plugins``): registers the model and the attention backend.
 
 vLLM loads general plugins in every process it starts, possibly several times: each
-registration checks first. Class paths are strings so no process imports torch-heavy
-modules before it needs them.
+registration checks first. The model is registered by its class path, so only the
+processes that build it import it.
 """
 
 from __future__ import annotations
 
+from .attention import BACKEND_NAME
 from .requests import ARCHITECTURE
-
-BACKEND_NAME = "ROPE_EXTEND"  # rope_plugins.attention.BACKEND_NAME, kept import-free here
 
 
 def register() -> None:
