@@ -18,7 +18,7 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from .rotary import inv_freq, yarn_attention_factor
+from .rotary import inv_freq, log_n_scale, yarn_attention_factor
 from .settings import ExtensionSettings, SettingsError, parse_settings
 
 logger = logging.getLogger(__name__)
@@ -172,13 +172,6 @@ class RequestSettingsTracker(LogitsProcessor):
 
 
 def log_n_factor(positions: torch.Tensor, log_n_length: torch.Tensor) -> torch.Tensor:
-    """Per token ``max(1, log(m + 1) / log(L_train))``; 1 where ``log_n_length`` is 0."""
-    seen = positions.to(torch.float64) + 1
-    factor = (seen.log() / log_n_length.clamp(min=2.0).log()).clamp(min=1.0)
+    """Per token log-n factor under its row's training length; 1 where ``log_n_length`` is 0."""
+    factor = log_n_scale(positions, log_n_length.clamp(min=2.0))
     return torch.where(log_n_length > 0, factor, torch.ones_like(factor))
-
-
-__all__ = [
-    "ARCHITECTURE", "CONFIG_KEY", "EXTRA_ARGS_KEY", "RequestSettingsTracker", "RowTables",
-    "engine_defaults", "log_n_factor", "rope_base", "salted_prompt", "validate_request_fields",
-]

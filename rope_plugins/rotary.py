@@ -113,11 +113,12 @@ def effective_relative(settings: ExtensionSettings, distance: torch.Tensor) -> t
     return distance
 
 
-def log_n_scale(positions: torch.Tensor, train_length: int) -> torch.Tensor:
+def log_n_scale(positions: torch.Tensor, train_length: int | torch.Tensor) -> torch.Tensor:
     """The log-n query factor ``max(1, log(n) / log(L_train))`` for the token at 0-based
-    position ``m``, with ``n = m + 1`` tokens seen (as the reference implementation does)."""
+    position ``m``, with ``n = m + 1`` tokens seen (as the reference implementation does).
+    ``train_length`` may be one length or one per position."""
     seen = positions.to(torch.float64) + 1
-    return (seen.log() / math.log(train_length)).clamp(min=1.0)
+    return (seen.log() / torch.as_tensor(train_length, dtype=torch.float64).log()).clamp(min=1.0)
 
 
 def query_scale(settings: ExtensionSettings, positions: torch.Tensor) -> torch.Tensor:
