@@ -22,14 +22,10 @@ from pathlib import Path
 
 import torch
 
+from rope_plugins.rotary import rotate
+
 RESULTS = Path(__file__).parent / "results"
 ATTENTION_NAME = "rerope_reference_style"
-
-
-def rotate_half_pairs(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
 class ReferenceStyleReRoPE:
@@ -46,15 +42,15 @@ class ReferenceStyleReRoPE:
         out = torch.empty_like(query)
         if q_len == 1:  # decode: re-rotate every cached key by its clipped relative position
             relative = (query_pos[:, None] - key_pos[None, :]).clamp(max=self.window)  # [1, K]
-            rotated_keys = rotate_half_pairs(key[0], -relative[0][:, None] * self.theta)  # [kv, K, d]
+            rotated_keys = rotate(key[0], -relative[0][:, None] * self.theta)  # [kv, K, d]
             for h in range(heads):
                 scores = (query[0, h] @ rotated_keys[h // group].T) * scaling
                 out[0, h] = scores.softmax(-1) @ value[0, h // group]
             return out.transpose(1, 2), None
         distance = query_pos[:, None] - key_pos[None, :]
-        near_q = rotate_half_pairs(query[0], query_pos[:, None] * self.theta)  # R(m) q
-        far_q = rotate_half_pairs(query[0], self.window * self.theta.expand(q_len, -1))  # R(w) q
-        near_k = rotate_half_pairs(key[0], key_pos[:, None] * self.theta)  # R(n) k
+        near_q = rotate(query[0], query_pos[:, None] * self.theta)  # R(m) q
+        far_q = rotate(query[0], self.window * self.theta.expand(q_len, -1))  # R(w) q
+        near_k = rotate(key[0], key_pos[:, None] * self.theta)  # R(n) k
         for h in range(heads):  # two full score matrices per head
             near = near_q[h] @ near_k[h // group].T
             far = far_q[h] @ key[0, h // group].T
