@@ -1,14 +1,17 @@
 """Speed of the plugin against stock vLLM (plain RoPE, same checkpoint, same engine settings).
 
-    .venv/bin/python bench/speed.py            # 2k, 8k, 16k; 3 repetitions
-    .venv/bin/python bench/speed.py --quick    # 2k, 8k; 2 repetitions
+    .venv/bin/python bench/speed.py            # 2k, 8k, 16k x 3 repetitions; scaling to 32k
+    .venv/bin/python bench/speed.py --quick    # 2k, 8k; 2 repetitions; no scaling sweep
 
 Both engines live in this process for the whole run and the configurations are interleaved
 (the order rotates every repetition), so machine noise hits all alike; medians are reported.
 Per length and configuration: prefill time of a fresh prompt, and time per output token
 (TPOT) from two runs on the now-cached prompt (1 and 1+N new tokens). Then a batch of 8
 concurrent requests with mixed settings against 8 plain ones on stock vLLM, and the KV-cache
-bytes per token of both engines. Writes bench/results/speed.json and speed.png.
+bytes per token of both engines. Last, the scaling sweep: stock and ReRoPE alone at the extra
+lengths (default 4k and 32k, one repetition each: it is for the shape of the curves), which
+with the main lengths draws prefill and decode time against context from 2k to 32k.
+Writes bench/results/speed.json and speed.png.
 """
 
 from __future__ import annotations
@@ -68,11 +71,14 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions")
+    parser.add_argument("--scaling-lengths", type=int, nargs="*", default=[4096, 32768],
+                        help="extra lengths for stock and rerope only (the scaling plot)")
+    parser.add_argument("--scaling-reps", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
     parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
     args = parser.parse_args()
     if args.quick:
-        args.lengths, args.reps = [2048, 8192], 2
+        args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
 
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
@@ -82,7 +88,7 @@ def main() -> None:
     from server.provision import provision_default_model
 
     model = str(provision_default_model())
-    longest = max(args.lengths) + args.decode_tokens + 64
+    longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
     max_len = 1 << (longest - 1).bit_length()
     common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
                   max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
@@ -101,15 +107,18 @@ def main() -> None:
         llm.generate([prompt], params, use_tqdm=False)
         return time.perf_counter() - began
 
-    samples: dict[str, dict[int, dict[str, list[float]]]] = {c: {n: {"prefill": [], "tpot": []} for n in args.lengths}
+    all_lengths = sorted(set(args.lengths + args.scaling_lengths))
+    samples: dict[str, dict[int, dict[str, list[float]]]] = {c: {n: {"prefill": [], "tpot": []} for n in all_lengths}
                                                             for c in CONFIGS}
     peak: dict[str, dict[int, int]] = {c: {} for c in CONFIGS}
     rng = random.Random(0)
     run("stock", [5] * 64, 2), run("rerope", [5] * 64, 2)  # warm both engines
-    jobs = [(rep, n) for rep in range(args.reps) for n in args.lengths]
-    with tqdm(total=len(jobs) * len(CONFIGS), desc="speed", unit="run") as bar:
-        for rep, n in jobs:
-            order = CONFIGS[rep % len(CONFIGS):] + CONFIGS[: rep % len(CONFIGS)]
+    jobs = [(rep, n, CONFIGS) for rep in range(args.reps) for n in args.lengths]
+    jobs += [(rep, n, CONFIGS[:2]) for rep in range(args.scaling_reps) for n in args.scaling_lengths
+             if n not in args.lengths]
+    with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
+        for rep, n, configs in jobs:
+            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
             for config in order:
                 ids = [rng.randrange(100, 40000) for _ in range(n)]
                 with PeakMemory() as memory:
@@ -145,10 +154,12 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "model": "SmolLM2-135M-Instruct (float32)", "reps": args.reps, "decode_tokens": args.decode_tokens,
-        "lengths": args.lengths,
+        "lengths": args.lengths, "scaling_lengths": all_lengths,
         "median": {c: {n: {k: median(v) for k, v in samples[c][n].items()} for n in args.lengths} for c in CONFIGS},
         "ratio_to_stock": {c: {n: {k: median(samples[c][n][k]) / median(samples["stock"][n][k]) for k in ("prefill", "tpot")}
                                for n in args.lengths} for c in CONFIGS if c != "stock"},
+        "scaling": {c: {n: {k: median(v) for k, v in samples[c][n].items()} for n in all_lengths
+                        if samples[c][n]["prefill"]} for c in CONFIGS[:2]},
         "samples": samples,
         "batch8": {"length": batch_length, "new_tokens": batch_tokens,
                    "tokens_per_second": {k: median(v) for k, v in batch.items()},
@@ -168,15 +179,17 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = report["lengths"]
-    figure, (prefill, tpot) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (prefill, tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
     for config, values in report["median"].items():
-        prefill.plot(lengths, [values[n]["prefill"] for n in lengths], "o-", label=config)
-        tpot.plot(lengths, [values[n]["tpot"] * 1000 for n in lengths], "o-", label=config)
-    prefill.set(xlabel="prompt tokens", ylabel="prefill seconds", title="prefill time vs context")
+        curve = report.get("scaling", {}).get(config, values)  # stock and rerope: the whole sweep
+        lengths = sorted(curve, key=int)
+        prefill.plot([int(n) for n in lengths], [curve[n]["prefill"] for n in lengths], "o-", label=config)
+        tpot.plot([int(n) for n in lengths], [curve[n]["tpot"] * 1000 for n in lengths], "o-", label=config)
+    prefill.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="prefill seconds",
+                title="prefill time vs context (log-log)")
     tpot.set(xlabel="context tokens", ylabel="ms per output token", title="decode time per token vs context")
     for axis in (prefill, tpot):
-        axis.grid(alpha=0.3)
+        axis.grid(alpha=0.3, which="both")
         axis.legend()
     figure.suptitle(f"SmolLM2-135M fp32, {report['machine']}, medians of {report['reps']}")
     figure.tight_layout()

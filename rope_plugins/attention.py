@@ -41,7 +41,8 @@ from .requests import RequestSettingsTracker, log_n_factor
 from .rotary import rotate_by
 
 BACKEND_NAME = "ROPE_EXTEND"
-PREFILL_TILE = 256  # query rows per near-band tile in prefill
+PREFILL_TILE = 256  # queries per near-band tile in prefill (at most the window)
+FAR_TABLES_KEPT = 16  # far-key rotation tables kept between steps (one per distinct (θ, ρ))
 
 
 def cos_sin(angle: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +62,14 @@ class PrefillRow:
     # far part (keys n <= m - w): the first query that has any, and the key rotation n ρ θ
     first_far: int
     far_keys: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [seq_len, 1, d/2]; None if ρ = 0
-    # near band (0 <= m - n < w), in query tiles against overlapping key spans
+    # near band (0 <= m - n < w): "young" queries (m < w) see every earlier key; the rest go in
+    # tiles of `tile` queries, each against its own tile (causal), the w - tile keys before it
+    # (all visible) and the tile - 1 keys before those (a reversed triangle)
+    young: int = 0
     tile: int = 0
     tiles: int = 0
-    band_source: torch.Tensor | None = None  # [tiles*tile + w - 1] key index (clamped)
-    band_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of n θ, [sources, 1, d/2]
-    band_mask: torch.Tensor | None = None  # additive [tiles, 1, group*tile, span]
+    band_start: int = 0  # first key position any near query sees
+    band_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of n θ for n = band_start .. seq_len-1, [n, 1, d/2]
 
     @property
     def chunk(self) -> int:
@@ -86,9 +89,12 @@ class RopeExtendMetadata:
     decode_tokens: torch.Tensor  # [Rd] token index of each decode row
     decode_block_ids: torch.Tensor  # [Rd, nb]
     decode_keep: torch.Tensor  # [Rd, nb*bs] keys each row attends to
-    decode_far_keys: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin of n ρ θ, [Rd, nb, 1, bs, d/2]
+    # far-key rotations n ρ θ: one table per distinct setting with ρ != 0, cos, sin [U, nb*bs, d/2],
+    # and each row's table (-1: ρ = 0, old keys read raw)
+    decode_far_keys: tuple[torch.Tensor, torch.Tensor] | None
+    decode_far_table: torch.Tensor | None  # [Rd] int64
     decode_band: tuple[torch.Tensor, ...] | None  # block [Rd, W], offset [Rd, W], target [Rd, W], cos, sin [Rd, W, 1, d/2]
-    decode_rules: tuple[torch.Tensor, ...] | None = None  # seq_lens, window, band start, rotate_far [Rd] (kernel)
+    decode_rules: tuple[torch.Tensor, ...] | None = None  # seq_lens, window, band start [Rd] (kernel)
 
 
 class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
@@ -104,6 +110,8 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
         self.block_size = kv_cache_spec.block_size
         query_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.group = query_heads // kv_cache_spec.num_kv_heads
+        self.prefill_tile = PREFILL_TILE
+        self.far_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tracker(self) -> RequestSettingsTracker:
         tracker = RequestSettingsTracker.for_config(self.vllm_config)
@@ -152,22 +160,40 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
             **self.decode_plan(decode, seq_lens, window, leak, theta, block_table),
         )
 
+    def far_key_table(self, theta: torch.Tensor, leak: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of ``n ρ θ`` for key positions ``n < length`` ``[length, d/2]``. Computed once
+        per setting (and per doubling of the length), not every step: keys keep their angle."""
+        key = (leak, theta.numpy().tobytes())
+        table = self.far_tables.pop(key, None)  # re-inserted below: the dict is kept in use order
+        if table is None or table[0].shape[0] < length:
+            capacity = max(1024, 1 << (length - 1).bit_length())
+            table = cos_sin(torch.arange(capacity, dtype=torch.float64)[:, None] * (leak * theta), self.dtype)
+        self.far_tables[key] = table
+        while len(self.far_tables) > FAR_TABLES_KEPT:
+            self.far_tables.pop(next(iter(self.far_tables)))
+        return table[0][:length], table[1][:length]
+
     def decode_plan(self, decode, seq_lens, window, leak, theta, block_table) -> dict:
         """Index plan for all decode rows: blocks to read, keys to keep, the near band."""
         rows, block_size = decode.numel(), self.block_size
         if rows == 0:
             empty = torch.empty(0, 0, dtype=torch.int64)
-            return dict(decode_block_ids=empty, decode_keep=empty.bool(), decode_far_keys=None, decode_band=None,
-                        decode_rules=None)
+            return dict(decode_block_ids=empty, decode_keep=empty.bool(), decode_far_keys=None, decode_far_table=None,
+                        decode_band=None, decode_rules=None)
         seq = seq_lens[decode]
         blocks = -(-int(seq.max()) // block_size)
         position = torch.arange(blocks * block_size)
         keep = position[None, :] < seq[:, None]
         row_theta, row_leak, row_window = theta[decode], leak[decode], window[decode]
+        far_table, first_row_of = torch.full((rows,), -1, dtype=torch.int64), {}  # setting -> a row using it
+        for r in (row_leak != 0).nonzero().flatten().tolist():
+            setting = (float(row_leak[r]), row_theta[r].numpy().tobytes())
+            first_row_of.setdefault(setting, r)
+            far_table[r] = list(first_row_of).index(setting)
         far_keys = None
-        if bool((row_leak != 0).any()):
-            angle = position.double()[None, :, None] * (row_leak[:, None] * row_theta)[:, None, :]
-            far_keys = cos_sin(angle.view(rows, blocks, 1, block_size, -1), self.dtype)
+        if first_row_of:
+            tables = [self.far_key_table(row_theta[r], float(row_leak[r]), blocks * block_size) for r in first_row_of.values()]
+            far_keys = torch.stack([cos for cos, _ in tables]), torch.stack([sin for _, sin in tables])
         band_width = min(int(row_window.max()), int(seq.max()))
         band = None
         band_start = (seq - band_width).clamp(min=0)
@@ -181,33 +207,26 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
             band_cos, band_sin = cos_sin((band_position.double()[..., None] * row_theta[:, None, :])[:, :, None], self.dtype)
             band = (band_position // block_size, band_position % block_size, target, band_cos, band_sin)
         return dict(decode_block_ids=block_table[decode, :blocks], decode_keep=keep, decode_far_keys=far_keys,
-                    decode_band=band, decode_rules=(seq, row_window, band_start, row_leak != 0))
+                    decode_far_table=far_table, decode_band=band, decode_rules=(seq, row_window, band_start))
 
     def prefill_plan(self, row, starts, query_lens, seq_lens, window, leak, theta) -> PrefillRow:
         chunk, seq_len = int(query_lens[row]), int(seq_lens[row])
         context, w, row_leak, row_theta = seq_len - chunk, int(window[row]), float(leak[row]), theta[row]
         far_keys = None
         if row_leak != 0:
-            far_keys = cos_sin((torch.arange(seq_len, dtype=torch.float64)[:, None] * (row_leak * row_theta))[:, None], self.dtype)
+            cos, sin = self.far_key_table(row_theta, row_leak, seq_len)
+            far_keys = cos[:, None], sin[:, None]
         plan = PrefillRow(slice(int(starts[row]), int(starts[row + 1])), context, seq_len, row, w,
                           first_far=max(0, w - context), far_keys=far_keys)
         if w == 0:
             return plan
-        tile = min(PREFILL_TILE, chunk)
-        tiles = -(-chunk // tile)
-        span = tile + w - 1
-        # key n of the band source: tile t covers sources [t*tile, t*tile + span)
-        source_position = context - w + 1 + torch.arange(tiles * tile + w - 1)
-        query_index = torch.arange(tiles * tile).view(tiles, tile)
-        key_position = source_position.as_strided((tiles, span), (tile, 1))
-        distance = (context + query_index)[:, :, None] - key_position[:, None, :]
-        visible = (distance >= 0) & (distance < w) & (key_position[:, None, :] >= 0)
-        visible[:, :, 0] |= ~visible.any(-1)  # padded query rows stay finite; they are dropped
-        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-        plan.tile, plan.tiles = tile, tiles
-        plan.band_source = source_position.clamp(0, seq_len - 1)
-        plan.band_keys = cos_sin((plan.band_source.double()[:, None] * row_theta)[:, None], self.dtype)
-        plan.band_mask = mask.repeat(1, self.group, 1)[:, None]  # GQA: query heads folded into rows
+        plan.young = min(max(w - context, 0), chunk)
+        old = chunk - plan.young
+        plan.tile = min(self.prefill_tile, w, old) if old else 0
+        plan.tiles = -(-old // plan.tile) if old else 0
+        plan.band_start = max(0, context - w + 1)
+        positions = torch.arange(plan.band_start, seq_len, dtype=torch.float64)
+        plan.band_keys = cos_sin((positions[:, None] * row_theta)[:, None], self.dtype)
         return plan
 
 
@@ -288,7 +307,7 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         kernel = decode_kernel() if kv_cache.dtype == torch.float32 and self.use_kernel else None
         if kernel is None:
             return self.decode_reference(query, kv_cache, meta)
-        seq_lens, window, band_start, rotate_far = meta.decode_rules
+        seq_lens, window, band_start = meta.decode_rules
         rows, half = query.shape[0], self.head_size // 2
         tokens = meta.decode_tokens
         query_cos = torch.stack((meta.near_query[0][tokens, 0], meta.far_query[0][tokens, 0]), dim=1)
@@ -299,8 +318,8 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         as_rows = lambda table: table.reshape(rows, -1, half) if table.numel() else empty  # noqa: E731
         return kernel.decode_attention(
             query, meta.query_scale[tokens], query_cos, query_sin, kv_cache, meta.decode_block_ids,
-            seq_lens, window, band_start, as_rows(near_cos), as_rows(near_sin), as_rows(far_cos), as_rows(far_sin),
-            rotate_far, self.scale)
+            seq_lens, window, band_start, as_rows(near_cos), as_rows(near_sin), far_cos, far_sin,
+            meta.decode_far_table, self.scale)
 
     def decode_reference(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: RopeExtendMetadata) -> torch.Tensor:
         """All decode rows at once, block by block of the paged cache: ``[Rd, heads, d]``."""
@@ -312,8 +331,12 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
         blocks = kv_cache[meta.decode_block_ids]  # [Rd, nb, kv, bs, 2d]: the one copy of the cache
         rows, num_blocks, _, block_size, _ = blocks.shape
         keys, values = blocks[..., :d], blocks[..., d:]
-        if meta.decode_far_keys is not None:
-            keys_far = rotate_by(keys, *meta.decode_far_keys)
+        if meta.decode_far_keys is not None:  # rows with ρ = 0 take the identity rotation
+            table = meta.decode_far_table.clamp(min=0)
+            identity = (meta.decode_far_table < 0)[:, None, None]
+            cos = torch.where(identity, 1.0, meta.decode_far_keys[0][table]).view(rows, num_blocks, 1, block_size, -1)
+            sin = torch.where(identity, 0.0, meta.decode_far_keys[1][table]).view(rows, num_blocks, 1, block_size, -1)
+            keys_far = rotate_by(keys, cos, sin)
         else:
             keys_far = keys  # ReRoPE: old keys are read raw
         q_far = far_query.view(rows, 1, kv, group, d)
@@ -367,21 +390,62 @@ class RopeExtendAttentionImpl(AttentionImpl[RopeExtendMetadata]):
 
     def near_band(self, near_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   row: PrefillRow) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sliding-window attention (plain RoPE inside the window) of a chunk: query tiles
-        against overlapping views of one rotated copy of the band's keys, in one call.
-        Returns ``[H, L, d]`` and the log-sum-exp ``[H, L]``."""
-        d, kv, group, tile, tiles = self.head_size, self.num_kv_heads, self.group, row.tile, row.tiles
-        span = tile + row.window - 1
-        source_keys = rotate_by(keys[row.band_source], *row.band_keys)  # [sources, kv, d]
-        source_values = values[row.band_source].contiguous()
-        overlapping = (tiles, kv, span, d), (tile * kv * d, d, kv * d, 1)
-        band_keys, band_values = source_keys.as_strided(*overlapping), source_values.as_strided(*overlapping)
-        padded = torch.nn.functional.pad(near_query, (0, 0, 0, 0, 0, tiles * tile - row.chunk))
-        queries = padded.view(tiles, tile, kv, group, d).permute(0, 2, 3, 1, 4).reshape(tiles, kv, group * tile, d)
-        out, lse = flash_attention(queries, band_keys, band_values, self.scale, mask=row.band_mask)
-        out = out.view(tiles, kv, group, tile, d).permute(1, 2, 0, 3, 4).reshape(kv * group, tiles * tile, d)
-        lse = lse.view(tiles, kv, group, tile).permute(1, 2, 0, 3).reshape(kv * group, tiles * tile)
-        return out[:, : row.chunk], lse[:, : row.chunk]
+        """Plain-RoPE attention of each query to the keys within its window, ``0 <= m - n < w``,
+        as unmasked fused calls only: young queries (``m < w``) are ordinary causal attention;
+        the others go in tiles (batched), each tile against itself (causal), against the
+        ``w - tile`` keys before it (dense) and the ``tile - 1`` keys before those (a triangle,
+        causal once queries and keys are both reversed). Returns ``[H, L, d]`` and the
+        log-sum-exp ``[H, L]``."""
+        d, kv, group, tile, tiles, w = self.head_size, self.num_kv_heads, self.group, row.tile, row.tiles, row.window
+        heads = kv * group
+        start, context, young = row.band_start, row.context, row.young
+        band_keys = rotate_by(keys[start:], *row.band_keys)  # [seq_len - start, kv, d]
+        band_values = values[start:]
+        outs, lses = [], []
+        if young:  # m < w: every key 0 .. m, i.e. the cached context and a causal square
+            q = heads_first(near_query[:young])[None]
+            new = slice(context - start, context - start + young)
+            parts = [flash_attention(q, heads_first(band_keys[new], group)[None],
+                                     heads_first(band_values[new], group)[None], self.scale, causal=True)]
+            if context:
+                parts.append(flash_attention(q, heads_first(band_keys[:context], group)[None],
+                                             heads_first(band_values[:context], group)[None], self.scale))
+            outs.append(merge_partials(*zip(*parts))[0])
+            lses.append(torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)[0])
+        if tiles:
+            first = context + young - start  # index of the first tile's first query position
+            pad = tiles * tile - (row.chunk - young)
+            band_keys = torch.nn.functional.pad(band_keys, (0, 0, 0, 0, 0, pad)).contiguous()
+            band_values = torch.nn.functional.pad(band_values, (0, 0, 0, 0, 0, pad)).contiguous()
+
+            def tile_view(source: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+                """Keys ``offset + t*tile .. + length`` for every tile t: ``[tiles, length, kv, d]``."""
+                return source.as_strided((tiles, length, kv, d), (tile * kv * d, kv * d, d, 1), offset * kv * d)
+
+            queries = torch.nn.functional.pad(near_query[young:], (0, 0, 0, 0, 0, pad)).view(tiles, tile, heads, d)
+            diagonal = flash_attention(heads_first(queries), heads_first(tile_view(band_keys, first, tile), group),
+                                       heads_first(tile_view(band_values, first, tile), group), self.scale, causal=True)
+            parts_out, parts_lse = [diagonal[0]], [diagonal[1]]  # [tiles, H, tile, d], [tiles, H, tile]
+            if w > tile:  # keys tile .. w-1 positions back: visible to the whole tile
+                folded = queries.view(tiles, tile, kv, group, d).permute(0, 2, 3, 1, 4).reshape(tiles, kv, group * tile, d)
+                out, lse = flash_attention(folded, tile_view(band_keys, first - w + tile, w - tile).transpose(1, 2),
+                                           tile_view(band_values, first - w + tile, w - tile).transpose(1, 2), self.scale)
+                parts_out.append(out.view(tiles, kv, group, tile, d).reshape(tiles, heads, tile, d))
+                parts_lse.append(lse.reshape(tiles, heads, tile))
+            if tile > 1:  # query i sees key j of the tile - 1 before those iff j >= i: reversed, causal
+                reverse = lambda x: x.flip(1)  # noqa: E731
+                out, lse = flash_attention(
+                    heads_first(reverse(queries[:, : tile - 1])),
+                    heads_first(reverse(tile_view(band_keys, first - w + 1, tile - 1)), group),
+                    heads_first(reverse(tile_view(band_values, first - w + 1, tile - 1)), group), self.scale, causal=True)
+                parts_out.append(torch.nn.functional.pad(out.flip(2), (0, 0, 0, 1)))
+                parts_lse.append(torch.nn.functional.pad(lse.flip(2), (0, 1), value=float("-inf")))
+            merged = merge_partials(parts_out, parts_lse)  # [tiles, H, tile, d]
+            lse = torch.logsumexp(torch.stack(parts_lse), dim=0)
+            old = row.chunk - young
+            outs.append(merged.permute(1, 0, 2, 3).reshape(heads, tiles * tile, d)[:, :old])
+            lses.append(lse.permute(1, 0, 2).reshape(heads, tiles * tile)[:, :old])
+        return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
 class RopeExtendAttentionBackend(AttentionBackend):

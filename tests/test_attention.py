@@ -18,9 +18,18 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="leaky_rerope", window=20, leaky_k=4.0, log_n=True, train_length=TRAIN), 90, 1),
     (ExtensionSettings(method="ntk_mixed", factor=4.0, train_length=TRAIN), 257, 1),
     (ExtensionSettings(method="rerope", window=50, train_length=TRAIN), 10, 1),
+    (ExtensionSettings(method="ntk_mixed", factor=4.0, log_n=True, train_length=TRAIN), 40, 1),  # shares a far table
     (ExtensionSettings(method="yarn", factor=2.0, log_n=True, train_length=TRAIN), 70, 45),
     (ExtensionSettings(method="leaky_rerope", window=33, leaky_k=2.0, train_length=TRAIN), 120, 60),
+    # prefill near-band shapes (tiles of PREFILL_TILE below): young queries then several tiles,
+    # all tiles, a window smaller than a tile, a one-token window
+    (ExtensionSettings(method="rerope", window=37, train_length=TRAIN), 0, 150),
+    (ExtensionSettings(method="rerope", window=20, log_n=True, train_length=TRAIN), 30, 50),
+    (ExtensionSettings(method="leaky_rerope", window=5, leaky_k=3.0, train_length=TRAIN), 3, 40),
+    (ExtensionSettings(method="rerope", window=1, train_length=TRAIN), 0, 12),
+    (ExtensionSettings(method="rerope", window=30, train_length=TRAIN), 10, 7),
 ]
+PREFILL_TILE = 8
 
 
 def make_step(seed=0):
@@ -47,6 +56,7 @@ def make_step(seed=0):
         tables.write(r, row_values(settings, D, BASE))
     builder = object.__new__(RopeExtendMetadataBuilder)  # the planning methods need only these
     builder.block_size, builder.group, builder.dtype = BLOCK, GROUP, torch.float32
+    builder.prefill_tile, builder.far_tables = PREFILL_TILE, {}
     starts = torch.tensor([0] + [new for _, _, new in ROWS]).cumsum(0)
     meta = builder.plan(tables, starts, torch.tensor(lengths), block_table, torch.cat(slots))
     query = torch.cat([q[-new:] for (q, _, _), (_, _, new) in zip(sequences, ROWS)])

@@ -56,9 +56,9 @@ torch::Tensor decode_attention_dim(
     const torch::Tensor& band_start,  // [R] int64: first key position of the near tables
     const torch::Tensor& near_cos,    // [R, W, d/2]
     const torch::Tensor& near_sin,
-    const torch::Tensor& far_cos,     // [R, S, d/2] or empty
+    const torch::Tensor& far_cos,     // [U, S, d/2]: one table per distinct far rule, or empty
     const torch::Tensor& far_sin,
-    const torch::Tensor& rotate_far,  // [R] bool
+    const torch::Tensor& far_table,   // [R] int64: the row's far table, -1 = old keys read raw (rho = 0)
     double scale) {
   TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32, "decode_attention: float32 only");
   TORCH_CHECK(kv_cache.stride(3) == 1, "decode_attention: the cache's last dim must be contiguous");
@@ -75,7 +75,7 @@ torch::Tensor decode_attention_dim(
   auto start = band_start.to(torch::kInt64).contiguous();
   auto ncos = near_cos.contiguous(), nsin = near_sin.contiguous();
   auto fcos = far_cos.contiguous(), fsin = far_sin.contiguous();
-  auto rot = rotate_far.to(torch::kBool).contiguous();
+  auto far_index = far_table.to(torch::kInt64).contiguous();
   const int64_t band_width = ncos.numel() ? ncos.size(1) : 0;
   const int64_t far_len = fcos.numel() ? fcos.size(1) : 0;
 
@@ -101,17 +101,18 @@ torch::Tensor decode_attention_dim(
   const float* nsin_p = band_width ? nsin.data_ptr<float>() : nullptr;
   const float* fcos_p = far_len ? fcos.data_ptr<float>() : nullptr;
   const float* fsin_p = far_len ? fsin.data_ptr<float>() : nullptr;
-  const bool* rot_p = rot.data_ptr<bool>();
+  const int64_t* far_index_p = far_index.data_ptr<int64_t>();
   float* pmax = partial_max.data_ptr<float>();
   float* psum = partial_sum.data_ptr<float>();
   float* pout = partial_out.data_ptr<float>();
   const int64_t table_stride = table.size(1);
   const float fscale = static_cast<float>(scale);
 
+  // kv heads vary fastest, so the heads of one chunk share its rotation-table rows in cache
   at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(d), scores(kChunk * group), near_buffer(group * d), far_buffer(group * d), scaled(d);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item % chunks, h = (item / chunks) % kv_heads, r = item / (chunks * kv_heads);
+      const int64_t h = item % kv_heads, chunk = (item / kv_heads) % chunks, r = item / (chunks * kv_heads);
       const int64_t length = lens_p[r], first = chunk * kChunk, last = std::min(first + kChunk, length);
       if (first >= last) continue;
       const int64_t m = length - 1;
@@ -138,8 +139,9 @@ torch::Tensor decode_attention_dim(
           rotate_key<half>(key, ncos_p + (r * band_width + j) * half, nsin_p + (r * band_width + j) * half, rotated.data());
           scored = rotated.data();
           q = near_q;
-        } else if (rot_p[r]) {
-          rotate_key<half>(key, fcos_p + (r * far_len + n) * half, fsin_p + (r * far_len + n) * half, rotated.data());
+        } else if (far_index_p[r] >= 0) {
+          const int64_t t = far_index_p[r];
+          rotate_key<half>(key, fcos_p + (t * far_len + n) * half, fsin_p + (t * far_len + n) * half, rotated.data());
           scored = rotated.data();
         }
         for (int64_t g = 0; g < group; ++g) {
@@ -173,12 +175,12 @@ torch::Tensor decode_attention(
     const torch::Tensor& query_sin, const torch::Tensor& kv_cache,
     const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& window,
     const torch::Tensor& band_start, const torch::Tensor& near_cos, const torch::Tensor& near_sin,
-    const torch::Tensor& far_cos, const torch::Tensor& far_sin, const torch::Tensor& rotate_far, double scale) {
+    const torch::Tensor& far_cos, const torch::Tensor& far_sin, const torch::Tensor& far_table, double scale) {
   switch (query.size(2)) {
 #define ROPE_HEAD_DIM(D) \
   case D:                \
     return decode_attention_dim<D>(query, query_scale, query_cos, query_sin, kv_cache, block_table, seq_lens, window, band_start, near_cos, \
-                                   near_sin, far_cos, far_sin, rotate_far, scale);
+                                   near_sin, far_cos, far_sin, far_table, scale);
     ROPE_HEAD_DIM(32) ROPE_HEAD_DIM(64) ROPE_HEAD_DIM(80) ROPE_HEAD_DIM(96) ROPE_HEAD_DIM(128) ROPE_HEAD_DIM(256)
 #undef ROPE_HEAD_DIM
     default:

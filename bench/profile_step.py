@@ -1,0 +1,60 @@
+"""Where a prefill (and a few decode steps) spends its time: torch.profiler over one request.
+
+    .venv/bin/python bench/profile_step.py --length 8192 --config rerope
+    .venv/bin/python bench/profile_step.py --length 8192 --config stock
+
+Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the
+model's operators; prints the top operators by self CPU time and writes the table to
+bench/results/profile_<config>_<length>.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--config", default="rerope", help="stock, or a method name")
+    parser.add_argument("--new-tokens", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=25)
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from rope_plugins.engine import engine_kwargs, extension_request
+    from rope_plugins.requests import engine_defaults
+    from server.provision import provision_default_model
+
+    model = str(provision_default_model())
+    max_len = 1 << (args.length + args.new_tokens + 64 - 1).bit_length()
+    common = dict(dtype="float32", kv_cache_memory_bytes=2 << 30, max_model_len=max_len,
+                  max_num_batched_tokens=max(max_len // 2, 8192), enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    ids = [random.Random(0).randrange(100, 40000) for _ in range(args.length)]
+    if args.config == "stock":
+        llm = LLM(model=model, hf_overrides={"max_position_embeddings": max_len}, **common)
+        prompt = {"prompt_token_ids": ids}
+    else:
+        llm = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common))
+        defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
+        prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, {"method": args.config}, defaults)
+    llm.generate([prompt], params, use_tqdm=False)  # warm
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        llm.generate([prompt], params, use_tqdm=False)
+    table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
+    print(table)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"profile_{args.config}_{args.length}.txt").write_text(table)
+
+
+if __name__ == "__main__":
+    main()
