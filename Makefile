@@ -2,12 +2,16 @@
 # Both install what they need first (scripts/install.sh is idempotent: a stamp skips it).
 PY := .venv/bin/python
 
-.PHONY: install run test bench-base-bound bench-speed
+.PHONY: install run test base-bound bench-base-bound bench-speed
 
 install:
 	@./scripts/install.sh
 
+# the server on 127.0.0.1:8000 with the embedded default model; `make run ARGS="--help"` for flags
 run: install
+	$(PY) -m server $(ARGS)
+
+base-bound: install
 	$(PY) -m rope_plugins base-bound
 
 test: install

@@ -1,0 +1,34 @@
+"""``python -m server``: provision the default model if needed, then serve on 127.0.0.1:8000."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .config import parse_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logger = logging.getLogger("rope_extend.server")
+    if config.model is None:
+        from .provision import provision_default_model
+
+        model = str(provision_default_model())
+    else:
+        model = config.model
+    import uvicorn
+
+    from .app import create_app
+
+    logger.info("listening on http://%s:%d (the engine starts now; /health says when it is ready)",
+                config.host, config.port)
+    uvicorn.run(create_app(config, model), host=config.host, port=config.port, log_level=config.log_level,
+                access_log=False, timeout_graceful_shutdown=config.shutdown_timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

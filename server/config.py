@@ -1,0 +1,100 @@
+"""The server's settings: command-line flags, each also readable from an environment variable.
+
+Every flag ``--some-flag`` has the variable ``ROPE_EXTEND_SOME_FLAG`` (the flag wins); the
+deployment files (Dockerfile, compose, Kubernetes) set the variables. ``--api-key`` may also
+come from ``OPENAI_API_KEY``-style ``ROPE_EXTEND_API_KEY`` so that it never shows in a process
+listing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from rope_plugins.settings import METHODS
+
+ENV_PREFIX = "ROPE_EXTEND_"
+AUTO = "auto"
+
+
+class ServerConfig(BaseModel):
+    """Everything the server needs to start; built from flags/env by :func:`parse_config`."""
+
+    model: str | None = Field(None, description="local Llama-family checkpoint; default: the embedded SmolLM2-135M-Instruct")
+    served_model_name: str | None = Field(None, description="model id in the API (default: the directory name)")
+    host: str = Field("127.0.0.1", description="interface to listen on")
+    port: int = Field(8000, description="TCP port")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
+    max_model_len: int = Field(32768, description="longest prompt + completion served, in tokens")
+    method: Literal["auto", *METHODS] = Field(  # type: ignore[valid-type]
+        AUTO, description="default extension method; 'auto' = plain RoPE within the training length, "
+                          "--auto-method beyond")
+    auto_method: Literal[*METHODS] = Field("rerope", description="what 'auto' uses past the training length")  # type: ignore[valid-type]
+    window: int | None = Field(None, description="default ReRoPE window (default: training length / 4)")
+    factor: float | None = Field(None, description="default scale factor of the frequency methods")
+    leaky_k: float | None = Field(None, description="default Leaky ReRoPE slope divisor")
+    beta: float | None = Field(None, description="default ntk_mixed exponent")
+    log_n: bool = Field(False, description="default log-n query scaling")
+    dtype: str = Field("float32", description="model dtype (vLLM's CPU backend needs float32 for SmolLM2)")
+    kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
+    max_num_seqs: int = Field(8, description="requests decoded together")
+    max_num_batched_tokens: int = Field(8192, description="tokens per engine step (longer prompts are chunked)")
+    max_waiting: int = Field(64, description="requests allowed to wait beyond the running ones; more get 429")
+    shutdown_timeout: float = Field(30.0, description="seconds running requests get to finish on SIGTERM")
+    enforce_eager: bool = Field(False, description="skip torch.compile (faster start, slower steps)")
+    log_prompts: bool = Field(False, description="log prompt text with each request line")
+    log_level: str = Field("info", description="debug, info, warning, error")
+
+    def extension_defaults(self) -> dict[str, Any]:
+        """The request defaults given by the flags (``method`` may be 'auto')."""
+        fields = {"method": self.method, "log_n": self.log_n}
+        for name in ("window", "factor", "leaky_k", "beta"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        return fields
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m server",
+        description="OpenAI-compatible server for RoPE models past their training length "
+                    "(ReRoPE, Leaky ReRoPE, NTK, PI, YaRN, log-n; per request).",
+        epilog=f"Every flag can also be set by the environment variable {ENV_PREFIX}<FLAG_NAME>, "
+               f"e.g. {env_name('api_key')}.")
+    for name, field in ServerConfig.model_fields.items():
+        if field.annotation is bool:
+            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None, help=field.description)
+        else:
+            parser.add_argument(flag(name), default=None, help=field.description, metavar=name.upper())
+    return parser
+
+
+def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
+    """Flags, then environment variables, then defaults; validated by pydantic (a bad value
+    exits with the flag's name and the reason)."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    values: dict[str, Any] = {}
+    for name in ServerConfig.model_fields:
+        value = args.get(name)
+        if value is None and env_name(name) in environ:
+            value = environ[env_name(name)]
+        if value is not None:
+            values[name] = value
+    try:
+        return ServerConfig.model_validate(values)
+    except Exception as error:
+        parser.error(str(error))
+        raise

@@ -1,0 +1,33 @@
+"""FastAPI dependencies: the engine service (ready, or 503) and the API key (401)."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from .engine import EngineService
+from .errors import APIError
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def get_service(request: Request) -> EngineService:
+    return request.app.state.service
+
+
+def ready_service(request: Request) -> EngineService:
+    service = get_service(request)
+    service.require_ready()
+    return service
+
+
+async def require_api_key(request: Request) -> None:
+    """With ``--api-key`` set, the /v1 routes need ``Authorization: Bearer <key>``."""
+    expected = request.app.state.config.api_key
+    if not expected:
+        return
+    credentials: HTTPAuthorizationCredentials | None = await _bearer(request)
+    if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")

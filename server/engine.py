@@ -1,0 +1,219 @@
+"""The engine behind the HTTP surface: vLLM's in-process ``AsyncLLM`` with the plugin, the
+tokenizer, the per-request settings (``auto`` resolved here), admission, and generation.
+
+Everything a request needs is checked here before it reaches the engine (length, settings,
+sampling values), so bad input is a 400 and never reaches, or disturbs, the running batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from rope_plugins.engine import engine_kwargs, extension_request
+from rope_plugins.requests import engine_defaults
+from rope_plugins.settings import ExtensionSettings, SettingsError, parse_settings
+
+from .config import AUTO, ServerConfig
+from .errors import APIError, bad_request
+from .metrics import Metrics
+from .schemas import SamplingFields
+
+logger = logging.getLogger("rope_extend.server")
+
+
+@dataclass
+class Job:
+    """One engine request: a prompt's token ids, its sampling, and its resolved settings."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    settings: ExtensionSettings
+    engine_prompt: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.settings.method + ("+log_n" if self.settings.log_n else "")
+
+
+class Admission:
+    def __init__(self, service: "EngineService", count: int) -> None:
+        self.service, self.count = service, count
+
+    def release(self) -> None:
+        if self.count:
+            self.service.in_flight -= self.count
+            self.service.metrics.in_flight.set(self.service.in_flight)
+            self.count = 0
+
+
+class EngineService:
+    def __init__(self, config: ServerConfig, metrics: Metrics) -> None:
+        self.config, self.metrics = config, metrics
+        self.engine = None
+        self.tokenizer = None
+        self.defaults: ExtensionSettings | None = None
+        self.model_path = ""
+        self.model_name = config.served_model_name or ""
+        self.created = int(time.time())
+        self.state = "starting"  # starting, ready, failed, stopping
+        self.failure: str | None = None
+        self.in_flight = 0
+        self.capacity = config.max_num_seqs + config.max_waiting
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def engine_args(self, model: str):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        config = self.config
+        engine_default = {k: v for k, v in config.extension_defaults().items() if k != "method"}
+        engine_default["method"] = config.auto_method if config.method == AUTO else config.method
+        if engine_default["method"] in ("none",) and not config.log_n:
+            engine_default["method"] = "rerope"  # the engine serves past the training length; requests choose
+        kwargs = engine_kwargs(
+            model, defaults=engine_default, max_model_len=config.max_model_len, dtype=config.dtype,
+            kv_cache_memory_bytes=config.kv_cache_memory, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            enforce_eager=config.enforce_eager, served_model_name=self.model_name or None, seed=0)
+        return AsyncEngineArgs(**kwargs, disable_log_stats=False, enable_log_requests=False)
+
+    async def start(self, model: str) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            self.model_path = model
+            self.model_name = self.model_name or Path(model).name
+            began = time.perf_counter()
+            logger.info("starting the engine for %s (max context %d tokens)", model, self.config.max_model_len)
+            args = self.engine_args(model)
+            self.engine = await asyncio.to_thread(
+                AsyncLLM.from_engine_args, args, stat_loggers=[self.metrics.stat_logger_factory()])
+            self.tokenizer = self.engine.get_tokenizer()
+            hf_config = self.engine.vllm_config.model_config.hf_config
+            self.defaults = engine_defaults(hf_config)
+            self.state = "ready"
+            logger.info("engine ready in %.0f s: model %r, trained at %d tokens, serving up to %d; default "
+                        "extension %s", time.perf_counter() - began, self.model_name, self.defaults.train_length,
+                        self.config.max_model_len, self.config.extension_defaults())
+        except Exception as error:
+            self.state, self.failure = "failed", f"{type(error).__name__}: {error}"
+            logger.exception("the engine failed to start")
+
+    def shutdown(self) -> None:
+        self.state = "stopping"
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    @property
+    def train_length(self) -> int:
+        return self.defaults.train_length if self.defaults else 0
+
+    def health(self) -> tuple[bool, str]:
+        if self.state == "ready" and self.engine is not None and self.engine.errored:
+            self.state, self.failure = "failed", f"engine died: {self.engine.dead_error}"
+        if self.state == "ready":
+            return True, "ok"
+        return False, self.failure or self.state
+
+    def require_ready(self) -> None:
+        healthy, reason = self.health()
+        if not healthy:
+            raise APIError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, self.model_path):
+            raise APIError(400, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # a template that refuses the conversation (e.g. role order)
+            raise bad_request(f"messages: the chat template refused them: {error}", param="messages") from None
+        return self.encode_text(text, add_special_tokens=False)
+
+    def resolve_settings(self, fields: dict[str, Any], prompt_tokens: int, max_tokens: int) -> ExtensionSettings:
+        """The request's settings: server defaults overridden by ``fields``; ``auto`` becomes
+        plain RoPE while prompt + completion fit the training length, ``auto_method`` beyond."""
+        merged = {**self.config.extension_defaults(), **fields}
+        if merged.get("method") == AUTO:
+            train_length = merged.get("train_length", self.train_length)
+            fits = isinstance(train_length, int) and prompt_tokens + max_tokens <= train_length
+            merged["method"] = "none" if fits else self.config.auto_method
+        try:
+            return parse_settings(merged, self.defaults)
+        except SettingsError as error:
+            param = f"context_extension.{error.field}" if error.field else "context_extension"
+            raise bad_request(str(error), param=param, code="invalid_context_extension") from None
+
+    def build_jobs(self, prompts: list[list[int]], body: SamplingFields, request_id: str, *,
+                   prompt_param: str, logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Job]:
+        """Validated engine requests, one per prompt; raises APIError (400) on bad input."""
+        served = self.config.max_model_len
+        jobs = []
+        fields = body.context_extension.fields() if body.context_extension else {}
+        for index, prompt_ids in enumerate(prompts):
+            if not prompt_ids:
+                raise bad_request(f"{prompt_param}: the prompt is empty", param=prompt_param)
+            if len(prompt_ids) >= served:
+                raise bad_request(
+                    f"{prompt_param}: the prompt has {len(prompt_ids)} tokens; this server's maximum context is "
+                    f"{served} tokens (prompt + completion)", param=prompt_param, code="context_length_exceeded")
+            max_tokens = body.max_tokens if body.max_tokens is not None else served - len(prompt_ids)
+            if len(prompt_ids) + max_tokens > served:
+                raise bad_request(
+                    f"max_tokens: the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, "
+                    f"{len(prompt_ids) + max_tokens} in all; this server's maximum context is {served} tokens",
+                    param="max_tokens", code="context_length_exceeded")
+            vocabulary = self.engine.vllm_config.model_config.get_vocab_size()
+            if any(not 0 <= t < vocabulary for t in prompt_ids):
+                raise bad_request(f"{prompt_param}: token ids must be in [0, {vocabulary})", param=prompt_param)
+            settings = self.resolve_settings(fields, len(prompt_ids), max_tokens)
+            try:
+                params = SamplingParams(
+                    n=body.n, temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
+                    stop=body.stop_list() or None, seed=body.seed, presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA)
+            except ValueError as error:
+                raise bad_request(str(error)) from None
+            prompt, params, settings = extension_request({"prompt_token_ids": prompt_ids}, params, settings.model_dump(),
+                                                         self.defaults)
+            jobs.append(Job(f"{request_id}-{index}", prompt_ids, params, settings, prompt))
+        return jobs
+
+    def admit(self, count: int) -> "Admission":
+        """Bounded admission: running + waiting requests; beyond it, 429 (the client retries).
+        Release the returned ticket when the request is done (idempotent)."""
+        if self.in_flight + count > self.capacity:
+            raise APIError(429, f"the server is full ({self.in_flight} requests in flight, at most {self.capacity}); "
+                                "retry later", code="queue_full")
+        self.in_flight += count
+        self.metrics.in_flight.set(self.in_flight)
+        return Admission(self, count)
+
+    async def generate(self, job: Job) -> AsyncIterator[Any]:
+        """The engine's outputs (deltas) for one job; an abandoned iteration aborts it in the engine."""
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            async for output in self.engine.generate(job.engine_prompt, job.params, job.request_id):
+                yield output
+        except VLLMValidationError as error:
+            param = getattr(error, "parameter", None)
+            raise bad_request(str(error), param=param) from None

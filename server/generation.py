@@ -1,0 +1,115 @@
+"""Running a request's engine jobs: merged outputs, latency metrics, the per-request log
+line, and abort when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from .engine import EngineService, Job
+
+logger = logging.getLogger("rope_extend.server")
+T = TypeVar("T")
+
+
+def settings_header(jobs: list[Job]) -> dict[str, str]:
+    """The applied settings as a response header (one JSON object; the first prompt's when several)."""
+    return {"x-context-extension": json.dumps(jobs[0].settings.canonical(), separators=(",", ":"))}
+
+
+async def tracked(service: EngineService, job: Job, arrival: float, prompt_text: str | None = None) -> AsyncIterator[Any]:
+    """The job's engine outputs, measured: TTFT, inter-token latency, end-to-end, token
+    counts by method; one log line when it ends, however it ends."""
+    metrics, method = service.metrics, job.label
+    first = last = None
+    generated, outcome, finish = 0, "error", None
+    try:
+        async for output in service.generate(job):
+            now = time.perf_counter()
+            new = sum(len(choice.token_ids) for choice in output.outputs)
+            if new:
+                if first is None:
+                    first = now
+                    metrics.time_to_first_token.labels(method).observe(now - arrival)
+                elif last is not None:
+                    for _ in range(new):
+                        metrics.inter_token_latency.labels(method).observe((now - last) / new)
+                last = now
+                generated += new
+            finish = ",".join(sorted({c.finish_reason for c in output.outputs if c.finish_reason})) or finish
+            yield output
+        outcome = "ok"
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "aborted"
+        raise
+    finally:
+        elapsed = time.perf_counter() - arrival
+        metrics.requests.labels(method, outcome).inc()
+        metrics.prompt_tokens.labels(method).inc(len(job.prompt_ids))
+        metrics.generation_tokens.labels(method).inc(generated)
+        if outcome == "ok":
+            metrics.end_to_end_latency.labels(method).observe(elapsed)
+        ttft = f"{first - arrival:.2f}s" if first is not None else "-"
+        logger.info("%s %s settings=%s prompt=%d completion=%d ttft=%s e2e=%.2fs finish=%s%s", job.request_id, outcome,
+                    json.dumps(job.settings.canonical(), separators=(",", ":")), len(job.prompt_ids), generated,
+                    ttft, elapsed, finish or "-", f" prompt_text={prompt_text!r}" if prompt_text is not None else "")
+
+
+async def merged(service: EngineService, jobs: list[Job], arrival: float,
+                 prompt_texts: list[str | None]) -> AsyncIterator[tuple[int, Any]]:
+    """(job index, output) from all jobs as they come."""
+    if len(jobs) == 1:
+        async for output in tracked(service, jobs[0], arrival, prompt_texts[0]):
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, job: Job) -> None:
+        try:
+            async for output in tracked(service, job, arrival, prompt_texts[index]):
+                await queue.put((index, output))
+        except Exception as error:  # surfaced to the consumer
+            await queue.put((index, error))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T], poll: float = 0.25) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its engine
+    requests) and raise CancelledError."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,1 @@
+"""The HTTP surface, one router per resource."""

