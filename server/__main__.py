@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from .config import parse_config
@@ -13,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     logger = logging.getLogger("rope_extend.server")
+    # vLLM's own INFO lines (config dumps, compile steps) drown the server's; --log-level debug shows them
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if config.log_level == "debug" else "WARNING")
     if config.model is None:
         from .provision import provision_default_model
 

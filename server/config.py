@@ -1,9 +1,8 @@
 """The server's settings: command-line flags, each also readable from an environment variable.
 
 Every flag ``--some-flag`` has the variable ``ROPE_EXTEND_SOME_FLAG`` (the flag wins); the
-deployment files (Dockerfile, compose, Kubernetes) set the variables. ``--api-key`` may also
-come from ``OPENAI_API_KEY``-style ``ROPE_EXTEND_API_KEY`` so that it never shows in a process
-listing.
+deployment files (Dockerfile, compose, Kubernetes) set the variables, and a secret such as
+the API key is best passed that way, so that it never shows in a process listing.
 """
 
 from __future__ import annotations

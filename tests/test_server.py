@@ -34,13 +34,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def start_server(log: Path, *flags: str):
+    """A server process on a free port, once /health says 200."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     command = [sys.executable, "-m", "server", "--port", str(port), "--enforce-eager", "--max-model-len", "4096",
-               "--kv-cache-memory", str(256 << 20), "--max-num-seqs", "2", "--max-waiting", "1",
-               "--shutdown-timeout", "60"]
+               "--kv-cache-memory", str(256 << 20), *flags]
     env = {**os.environ, "ROPE_EXTEND_API_KEY": API_KEY}  # the key through the environment, as deployments do
     with open(log, "w") as output:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
@@ -50,20 +48,29 @@ def server(tmp_path_factory):
         assert process.poll() is None, f"the server exited early:\n{log.read_text()[-3000:]}"
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
+                return type("Server", (), {"base": base, "process": process, "log": log})
         except httpx.TransportError:
             pass
         time.sleep(1)
-    else:
-        process.kill()
-        pytest.fail(f"the server did not become healthy:\n{log.read_text()[-3000:]}")
-    yield type("Server", (), {"base": base, "process": process, "log": log})
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+    process.kill()
+    pytest.fail(f"the server did not become healthy:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
         try:
-            process.wait(90)
+            server.process.wait(90)
         except subprocess.TimeoutExpired:
-            process.kill()
+            server.process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("server") / "server.log", "--max-num-seqs", "2",
+                          "--max-waiting", "1", "--shutdown-timeout", "60")
+    yield server
+    stop_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +302,23 @@ def test_sigterm_lets_the_running_request_finish_then_exits(server, client):
         httpx.get(f"{server.base}/health", timeout=2)
     log = server.log.read_text()
     assert "engine ready" in log and "engine stopped" in log and "Traceback" not in log
+
+
+def test_health_is_503_when_the_engine_dies(tmp_path):
+    import psutil
+
+    server = start_server(tmp_path / "server.log")
+    try:
+        engines = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                   if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+        assert engines, "no engine-core process found"
+        for engine in engines:
+            engine.kill()
+        deadline = time.time() + 60
+        while httpx.get(f"{server.base}/health").status_code == 200 and time.time() < deadline:
+            time.sleep(0.5)
+        assert_error_body(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}), 503)
+        response = httpx.get(f"{server.base}/health")
+        assert response.status_code == 503 and response.json()["status"] == "unavailable"
+    finally:
+        stop_server(server)
