@@ -7,12 +7,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
 
-from .engine import EngineService, Job
+from .engine import Admission, EngineService, Job
 
 logger = logging.getLogger("rope_extend.server")
 T = TypeVar("T")
@@ -113,3 +116,29 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll: float 
     finally:
         if not task.done():
             task.cancel()
+
+
+def sse_event(data: dict[str, Any] | str, raw: bool = False) -> str:
+    """One server-sent event as the OpenAI streaming API sends it: ``data: {json}``."""
+    return f"data: {data if raw else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    async for event in events:
+        yield event
+    yield "data: [DONE]\n\n"
+
+
+async def respond(request: Request, jobs: list[Job], admission: Admission, stream: bool,
+                  events: Callable[[], AsyncIterator[str]], collect: Callable[[], Awaitable[BaseModel]]) -> Response:
+    """The answer: an event stream, or the collected body; either way with the applied settings
+    in a header, and the admission released when done."""
+    headers = settings_header(jobs)
+    if stream:
+        return StreamingResponse(sse_stream(events()), media_type="text/event-stream", headers=headers,
+                                 background=BackgroundTask(admission.release))
+    try:
+        answer = await unless_disconnected(request, collect())
+    finally:
+        admission.release()
+    return JSONResponse(answer.model_dump(), headers=headers)

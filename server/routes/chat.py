@@ -8,17 +8,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
 
 from ..dependencies import ready_service, require_api_key
 from ..engine import Admission, EngineService, Job
 from ..errors import APIError, bad_request
-from ..generation import merged, settings_header, unless_disconnected
+from ..generation import merged, respond, sse_event
 from ..schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                        ChatCompletionRequest, ChoiceLogprobs, DeltaMessage, ErrorResponse, TokenLogprob, TopLogprob,
                        Usage, new_id)
-from .sse import sse_event, sse_stream
 
 router = APIRouter(tags=["chat"], dependencies=[Depends(require_api_key)])
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 429, 503)}
@@ -53,16 +50,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                               logprobs=top if body.logprobs else None)
     admission = service.admit(1)
     texts = [messages[-1]["content"] if service.config.log_prompts else None]
-    headers = settings_header(jobs)
-    if body.stream:
-        return StreamingResponse(sse_stream(stream_chat(service, body, jobs, arrival, texts, top, admission)),
-                                 media_type="text/event-stream", headers=headers,
-                                 background=BackgroundTask(admission.release))
-    try:
-        answer = await unless_disconnected(request, collect_chat(service, body, jobs, arrival, texts, top))
-    finally:
-        admission.release()
-    return JSONResponse(answer.model_dump(), headers=headers)
+    return await respond(request, jobs, admission, body.stream,
+                         lambda: stream_chat(service, body, jobs, arrival, texts, top, admission),
+                         lambda: collect_chat(service, body, jobs, arrival, texts, top))
 
 
 async def collect_chat(service: EngineService, body: ChatCompletionRequest, jobs: list[Job], arrival: float,

@@ -10,16 +10,13 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
 
 from ..dependencies import ready_service, require_api_key
 from ..engine import Admission, EngineService, Job
 from ..errors import APIError
-from ..generation import merged, settings_header, unless_disconnected
+from ..generation import merged, respond, sse_event
 from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage, new_id
 from .chat import ERRORS
-from .sse import sse_event, sse_stream
 
 router = APIRouter(tags=["completions"], dependencies=[Depends(require_api_key)])
 
@@ -55,16 +52,9 @@ async def completions(body: CompletionRequest, request: Request, service: Engine
                               prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     admission = service.admit(len(jobs))
     texts = [p if isinstance(p, str) else None for p in prompts] if service.config.log_prompts else [None] * len(jobs)
-    headers = settings_header(jobs)
-    if body.stream:
-        return StreamingResponse(sse_stream(stream_completion(service, body, jobs, prompts, arrival, texts, admission)),
-                                 media_type="text/event-stream", headers=headers,
-                                 background=BackgroundTask(admission.release))
-    try:
-        answer = await unless_disconnected(request, collect_completion(service, body, jobs, prompts, arrival, texts))
-    finally:
-        admission.release()
-    return JSONResponse(answer.model_dump(), headers=headers)
+    return await respond(request, jobs, admission, body.stream,
+                         lambda: stream_completion(service, body, jobs, prompts, arrival, texts, admission),
+                         lambda: collect_completion(service, body, jobs, prompts, arrival, texts))
 
 
 def prompt_text(service: EngineService, prompt: str | list[int]) -> str:
