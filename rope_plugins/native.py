@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 # Reassociation lets the compiler vectorise the dot products; inf/nan semantics are kept.
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+# ROPE_EXTEND_MARCH: the target CPU (images built for other machines set e.g. x86-64-v3).
+MARCH_ENV = "ROPE_EXTEND_MARCH"
+MARCH = os.environ.get(MARCH_ENV, "native")
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
 @functools.cache
@@ -24,7 +28,7 @@ def decode_kernel():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="rope_plugins_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+        return load(name=f"rope_plugins_decode_{MARCH.replace('-', '_')}", sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
     except Exception as error:  # a missing compiler must not take serving down
         logger.warning("rope_plugins: C++ decode kernel unavailable (%s); using the PyTorch path", error)
         return None

@@ -44,6 +44,10 @@ class ServerConfig(BaseModel):
     max_waiting: int = Field(64, description="requests allowed to wait beyond the running ones; more get 429")
     shutdown_timeout: float = Field(30.0, description="seconds running requests get to finish on SIGTERM")
     enforce_eager: bool = Field(False, description="skip torch.compile (faster start, slower steps)")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism: GPUs per pipeline stage")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism: stages (nodes)")
+    distributed_executor_backend: Literal["mp", "ray"] | None = Field(
+        None, description="vLLM's workers: 'mp' (one node) or 'ray' (several nodes); default: vLLM's choice")
     log_prompts: bool = Field(False, description="log prompt text with each request line")
     log_level: str = Field("info", description="debug, info, warning, error")
 

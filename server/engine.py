@@ -84,7 +84,9 @@ class EngineService:
             model, defaults=engine_default, max_model_len=config.max_model_len, dtype=config.dtype,
             kv_cache_memory_bytes=config.kv_cache_memory, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            enforce_eager=config.enforce_eager, served_model_name=self.model_name or None, seed=0)
+            enforce_eager=config.enforce_eager, served_model_name=self.model_name or None, seed=0,
+            tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
+            distributed_executor_backend=config.distributed_executor_backend)
         return AsyncEngineArgs(**kwargs, disable_log_stats=False, enable_log_requests=False)
 
     async def start(self, model: str) -> None:

