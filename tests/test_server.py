@@ -291,6 +291,24 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine(server, client):
     assert metric_value(server, "rope_extend_num_requests_running") == 0  # not still decoding 2000 tokens
 
 
+def test_load_test_tool_reports_a_run(server, tmp_path):
+    out = tmp_path / "loadtest.json"
+    command = [sys.executable, "deploy/loadtest.py", "--url", server.base, "--requests", "4", "--concurrency", "2",
+               "--prompt-lengths", "64,300", "--output-tokens", "5", "--mix", "rerope=1,none=1,auto=1", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "ROPE_EXTEND_API_KEY": API_KEY})
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["failed"] == 0 and report["error_rate"] == 0
+    assert all(r["output_tokens"] == 5 and r["prompt_tokens"] in (64, 300) for r in report["requests"])
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert 0 < report[name]["median"] <= report[name]["p99"]
+    assert out.with_suffix(".png").stat().st_size > 0 and "TTFT" in result.stdout
+    refused = subprocess.run([sys.executable, "deploy/loadtest.py", "--url", "http://example.com:8000"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "loopback" in refused.stderr
+
+
 def test_sigterm_lets_the_running_request_finish_then_exits(server, client):
     """Last: it stops the module's server."""
     with Concurrently(client, tokens=64):
