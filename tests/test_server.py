@@ -13,7 +13,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,46 +22,22 @@ import httpx
 import openai
 import pytest
 
+from server.launcher import ServerProcess
+from server.launcher import start_server as launch
+
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(log: Path, *flags: str):
-    """A server process on a free port, once /health says 200."""
-    port = free_port()
-    command = [sys.executable, "-m", "server", "--port", str(port), "--enforce-eager", "--max-model-len", "4096",
-               "--kv-cache-memory", str(256 << 20), *flags]
-    env = {**os.environ, "ROPE_EXTEND_API_KEY": API_KEY}  # the key through the environment, as deployments do
-    with open(log, "w") as output:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        assert process.poll() is None, f"the server exited early:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return type("Server", (), {"base": base, "process": process, "log": log})
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    process.kill()
-    pytest.fail(f"the server did not become healthy:\n{log.read_text()[-3000:]}")
-
-
-def stop_server(server) -> None:
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(90)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
+def start_server(log: Path, *flags: str) -> ServerProcess:
+    """A server on the real default model with the test limits, the API key from the environment
+    (as deployments pass it)."""
+    base_flags = ["--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory", str(256 << 20)]
+    try:
+        return launch([*base_flags, *flags], log, env={"ROPE_EXTEND_API_KEY": API_KEY}, timeout=600)
+    except RuntimeError as error:
+        pytest.fail(str(error))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +45,7 @@ def server(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("server") / "server.log", "--max-num-seqs", "2",
                           "--max-waiting", "1", "--shutdown-timeout", "60")
     yield server
-    stop_server(server)
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +284,26 @@ def test_load_test_tool_reports_a_run(server, tmp_path):
     assert refused.returncode != 0 and "loopback" in refused.stderr
 
 
+def test_evaluation_script_runs_against_the_server(server, tmp_path):
+    command = [sys.executable, "bench/evaluate.py", "--url", server.base, "--lengths", "300", "--depths", "0.5",
+               "--keys", "1", "--methods", "none", "rerope", "--out-dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "ROPE_EXTEND_API_KEY": API_KEY})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = {row["label"]: row for row in json.loads((tmp_path / "eval.json").read_text())["rows"]}
+    assert set(rows) == {"none", "rerope", "none(log_n=True)", "rerope(log_n=True)"}
+    for row in rows.values():
+        assert 0 < row["nll"] < 20 and 0 <= row["accuracy"] <= 1 and 0 <= row["repeat_accuracy"] <= 1
+        assert row["passkey_trials"] == 1
+    # within the training length (and a 300-token text inside every window) ReRoPE is plain RoPE
+    assert abs(rows["rerope"]["nll"] - rows["none"]["nll"]) < 1e-3
+    # a rerun finds every measurement in its log and repeats none
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "ROPE_EXTEND_API_KEY": API_KEY})
+    assert again.returncode == 0 and len((tmp_path / "eval_runs.jsonl").read_text().splitlines()) == 12
+    assert "| none |" in again.stdout
+
+
 def test_sigterm_lets_the_running_request_finish_then_exits(server, client):
     """Last: it stops the module's server."""
     with Concurrently(client, tokens=64):
@@ -339,4 +334,4 @@ def test_health_is_503_when_the_engine_dies(tmp_path):
         response = httpx.get(f"{server.base}/health")
         assert response.status_code == 503 and response.json()["status"] == "unavailable"
     finally:
-        stop_server(server)
+        server.stop()

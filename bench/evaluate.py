@@ -1,0 +1,309 @@
+"""Long-context quality of every method on the real default model, through the real server.
+
+    .venv/bin/python bench/evaluate.py            # the full grid (hours on 2 cores; resumable)
+    .venv/bin/python bench/evaluate.py --quick    # one length past training, fewer samples (< 15 min)
+    .venv/bin/python bench/evaluate.py --table    # the README tables from the results file
+
+Starts ``python -m server`` on SmolLM2-135M-Instruct (trained at 8,192 tokens) and, over HTTP
+with the openai client, for each method (none, pi, ntk_old, ntk_fixed, ntk_mixed, yarn,
+rerope, leaky_rerope; each with and without log_n) and context length:
+
+* **loss**: mean next-token negative log-likelihood over the last 4,096 tokens of a text
+  of that length (``echo`` + ``logprobs`` on /v1/completions score the prompt);
+* **non-repeat accuracy**: how often the true next token is the model's top-1 over those
+  same tokens; **repeat accuracy**: the same over the second copy of a text repeated twice
+  to fill the context (the seeds' repeat test: can the model copy from far back?);
+* **passkey**: a 5-digit number hidden at several depths of filler text, asked for at the
+  end (greedy, 8 tokens; found or not);
+* ablations past the training length: the ReRoPE window (1/8, 1/4, 1/2 of training) and
+  ntk_mixed's beta.
+
+The text is CPython's own documentation (``--corpus`` swaps it: ``stdlib`` or any text
+file/directory). Each measurement is appended to ``bench/results/eval_runs.jsonl`` as it
+finishes and skipped when found there, so a long run can be stopped and resumed; the summary
+goes to ``eval.json``, ``eval.csv`` and ``eval.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope"]
+TRAIN_LENGTH = 8192
+SCORED_TOKENS = 4096
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def configs(methods: list[str], log_n_too: bool) -> list[dict]:
+    grid = [{"method": m} for m in methods]
+    if log_n_too:
+        grid += [{"method": m, "log_n": True} for m in methods]
+    return grid
+
+
+def ablations() -> list[dict]:
+    windows = [{"method": "rerope", "window": TRAIN_LENGTH // k} for k in (8, 2)]  # 1/4 is the default
+    betas = [{"method": "ntk_mixed", "beta": b} for b in (0.5, 0.75, 1.0)]  # 0.625 is the default
+    return windows + betas
+
+
+def label(settings: dict) -> str:
+    extra = ",".join(f"{k}={v}" for k, v in settings.items() if k != "method")
+    return settings["method"] + (f"({extra})" if extra else "")
+
+
+class Evaluator:
+    def __init__(self, base: str, corpus: str, runs: Path, api_key: str | None = None):
+        import httpx
+        from openai import OpenAI
+
+        from server.corpus import load_corpus
+
+        self.http = httpx.Client(base_url=base, timeout=7200,
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self.client = OpenAI(base_url=f"{base}/v1", api_key=api_key or "unused", max_retries=0, timeout=7200)
+        self.model = self.http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        text = load_corpus(corpus)
+        self.tokens = self.tokenize(text[: 400_000])
+        self.filler = self.tokenize(FILLER * 4000)
+        self.runs = runs
+        self.done = {}
+        if runs.exists():
+            for line in runs.read_text().splitlines():
+                record = json.loads(line)
+                self.done[(record["test"], record["label"], record["length"], record.get("sample", 0))] = record
+
+    def tokenize(self, text: str) -> list[int]:
+        response = self.http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        return response.raise_for_status().json()["tokens"]
+
+    def record(self, test: str, settings: dict, length: int, sample: int, measure) -> dict:
+        key = (test, label(settings), length, sample)
+        if key in self.done:
+            return self.done[key]
+        began = time.perf_counter()
+        values = measure()
+        record = {"test": test, "label": label(settings), "settings": settings, "length": length, "sample": sample,
+                  **values, "seconds": round(time.perf_counter() - began, 1),
+                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        with self.runs.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        self.done[key] = record
+        return record
+
+    def score(self, prompt: list[int], settings: dict, scored: int) -> tuple[float, float]:
+        """Mean NLL and top-1 accuracy of the last ``scored`` prompt tokens."""
+        answer = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=1, temperature=0,
+                                                echo=True, logprobs=1, extra_body={"context_extension": settings})
+        logprobs = answer.choices[0].logprobs
+        chosen = logprobs.token_logprobs[len(prompt) - scored: len(prompt)]
+        tops = logprobs.top_logprobs[len(prompt) - scored: len(prompt)]
+        nll = -statistics.fmean(chosen)
+        accuracy = statistics.fmean(1.0 if lp >= max(top.values()) - 1e-6 else 0.0 for lp, top in zip(chosen, tops))
+        return nll, accuracy
+
+    def loss(self, settings: dict, length: int) -> dict:
+        def measure():
+            nll, accuracy = self.score(self.tokens[:length], settings, min(SCORED_TOKENS, length - 1))
+            return {"nll": nll, "accuracy": accuracy}
+
+        return self.record("loss", settings, length, 0, measure)
+
+    def repeat(self, settings: dict, length: int) -> dict:
+        def measure():
+            half = self.tokens[50_000: 50_000 + length // 2]  # another passage than the loss text
+            _, accuracy = self.score(half + half, settings, min(SCORED_TOKENS, len(half) - 1))
+            return {"accuracy": accuracy}
+
+        return self.record("repeat", settings, length, 0, measure)
+
+    def passkey(self, settings: dict, length: int, depth: float, sample: int) -> dict:
+        def measure():
+            key = str(random.Random(f"{length}-{depth}-{sample}").randrange(10_000, 100_000))
+            needle = self.tokenize(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+            question = self.tokenize(" What is the pass key? The pass key is")
+            room = length - len(needle) - len(question)
+            at = int(room * depth)
+            prompt = self.filler[:at] + needle + self.filler[at:room] + question
+            answer = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=8, temperature=0,
+                                                    extra_body={"context_extension": settings})
+            text = answer.choices[0].text
+            return {"found": key in text, "depth": depth, "answer": text}
+
+        return self.record("passkey", settings, length, sample, measure)
+
+
+def summarize(runs: Path) -> dict:
+    rows: dict[tuple, dict] = {}
+    for line in runs.read_text().splitlines():
+        r = json.loads(line)
+        row = rows.setdefault((r["label"], r["length"]), {"label": r["label"], "length": r["length"],
+                                                           "settings": r["settings"], "passkey_trials": 0,
+                                                           "passkey_found": 0})
+        if r["test"] == "loss":
+            row["nll"], row["accuracy"] = r["nll"], r["accuracy"]
+        elif r["test"] == "repeat":
+            row["repeat_accuracy"] = r["accuracy"]
+        elif r["test"] == "passkey":
+            row["passkey_trials"] += 1
+            row["passkey_found"] += int(r["found"])
+    for row in rows.values():
+        trials = row["passkey_trials"]
+        row["passkey"] = row["passkey_found"] / trials if trials else None
+    return {"rows": sorted(rows.values(), key=lambda r: (r["label"], r["length"]))}
+
+
+def write_outputs(summary: dict, meta: dict, out_dir: Path, stem: str) -> None:
+    report = {**meta, **summary}
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    columns = ["label", "length", "nll", "accuracy", "repeat_accuracy", "passkey", "passkey_trials"]
+    with (out_dir / f"{stem}.csv").open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(summary["rows"])
+    plot(summary, out_dir / f"{stem}.png")
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("nll", "loss (NLL, last 4k tokens)"), ("accuracy", "next-token accuracy (non-repeat)"),
+              ("repeat_accuracy", "next-token accuracy (repeat)"), ("passkey", "passkey retrieval")]
+    figure, axes = plt.subplots(1, 4, figsize=(18, 4.4))
+    labels = sorted({r["label"] for r in summary["rows"]})
+    for axis, (key, title) in zip(axes, panels):
+        for name in labels:
+            points = sorted((r["length"], r[key]) for r in summary["rows"]
+                            if r["label"] == name and r.get(key) is not None)
+            if points:
+                axis.plot(*zip(*points), "o-", label=name, linestyle="--" if "log_n" in name else "-")
+        axis.axvline(TRAIN_LENGTH, color="grey", linestyle=":")
+        axis.set(title=title, xlabel="context tokens", xscale="log")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.suptitle("SmolLM2-135M-Instruct (trained at 8,192 tokens): methods past the training length")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def markdown_table(summary: dict) -> str:
+    def cell(value, fmt="{:.3f}"):
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+
+    lengths = sorted({r["length"] for r in summary["rows"]})
+    labels = sorted({r["label"] for r in summary["rows"]}, key=lambda n: (n.split("(")[0] not in METHODS, n))
+    by = {(r["label"], r["length"]): r for r in summary["rows"]}
+    out = []
+    for key, title, fmt in (("nll", "Loss (mean NLL of the last 4,096 tokens; lower is better)", "{:.3f}"),
+                            ("accuracy", "Next-token accuracy, non-repeated text", "{:.3f}"),
+                            ("repeat_accuracy", "Next-token accuracy, repeated text (second copy)", "{:.3f}"),
+                            ("passkey", "Passkey retrieval (found / trials)", None)):
+        out.append(f"{title}:\n")
+        out.append("| method | " + " | ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths) + " |")
+        out.append("| --- |" + " --- |" * len(lengths))
+        for name in labels:
+            cells = []
+            for n in lengths:
+                row = by.get((name, n), {})
+                if key == "passkey":
+                    cells.append(f"{row['passkey_found']}/{row['passkey_trials']}" if row.get("passkey_trials") else "-")
+                else:
+                    cells.append(cell(row.get(key), fmt))
+            if any(c != "-" for c in cells):
+                out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="9k tokens (one length past training), methods without log_n, loss + accuracy + one passkey")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    parser.add_argument("--keys", type=int, default=2, help="passkey trials per depth")
+    parser.add_argument("--corpus", default="pydoc")
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--url", help="evaluate a running server instead of starting one")
+    parser.add_argument("--runs", type=Path, help="results log (default bench/results/eval[_quick]_runs.jsonl)")
+    parser.add_argument("--table", action="store_true", help="print the README tables from the results and stop")
+    args = parser.parse_args()
+    quick = args.quick
+    stem = "eval_quick" if quick else "eval"
+    args.runs = args.runs or args.out_dir / f"{stem}_runs.jsonl"
+    if args.table:
+        print(markdown_table(summarize(args.runs)))
+        return 0
+    lengths = [9216] if quick else args.lengths
+    depths, keys = ([0.5], 1) if quick else (args.depths, args.keys)
+    grid = configs(args.methods, log_n_too=not quick)
+    past = [n for n in lengths if n > TRAIN_LENGTH]
+    ablation_lengths = past[:1]  # the first length past training
+
+    from tqdm import tqdm
+
+    from server.launcher import running_server
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    served = max(lengths) + 64
+    flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
+             "--max-num-seqs", "2", "--log-level", "warning"]
+    context = running_server(flags, args.out_dir / f"{stem}_server.log") if not args.url else None
+    server = context.__enter__() if context else None
+    try:
+        evaluator = Evaluator(args.url or server.base, args.corpus, args.runs, os.environ.get("ROPE_EXTEND_API_KEY"))
+        jobs = []
+        for length in lengths:
+            for settings in grid:
+                jobs.append(("loss", settings, length))
+                if not quick:
+                    jobs.append(("repeat", settings, length))
+                jobs += [("passkey", settings, length, depth, round(depth * 100) * 100 + k)
+                         for depth in depths for k in range(keys)]
+        for length in ablation_lengths:
+            for settings in ablations():
+                jobs.append(("loss", settings, length))
+        with tqdm(jobs, desc="evaluation", unit="run") as bar:
+            for job in bar:
+                test, settings, length = job[:3]
+                bar.set_postfix_str(f"{test} {label(settings)} {length}")
+                if test == "passkey":
+                    evaluator.passkey(settings, length, depth=job[3], sample=job[4])
+                else:
+                    getattr(evaluator, test)(settings, length)
+    finally:
+        if context:
+            context.__exit__(None, None, None)
+    summary = summarize(args.runs)
+    write_outputs(summary, {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                            "model": "SmolLM2-135M-Instruct (float32)", "train_length": TRAIN_LENGTH,
+                            "corpus": args.corpus, "profile": "quick" if quick else "full",
+                            "passkey_trials_per_length": len(depths) * keys,
+                            "seconds": round(time.perf_counter() - began)}, args.out_dir, stem)
+    print(markdown_table(summary))
+    print(f"wrote {args.out_dir / stem}.json, .csv, .png ({time.perf_counter() - began:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
