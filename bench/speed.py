@@ -80,6 +80,8 @@ def main() -> None:
     if args.quick:
         args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
 
+    # a whole 32k prompt is one engine step here, longer than vLLM's default 300 s step timeout
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
@@ -113,23 +115,6 @@ def main() -> None:
     peak: dict[str, dict[int, int]] = {c: {} for c in CONFIGS}
     rng = random.Random(0)
     run("stock", [5] * 64, 2), run("rerope", [5] * 64, 2)  # warm both engines
-    jobs = [(rep, n, CONFIGS) for rep in range(args.reps) for n in args.lengths]
-    jobs += [(rep, n, CONFIGS[:2]) for rep in range(args.scaling_reps) for n in args.scaling_lengths
-             if n not in args.lengths]
-    with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
-        for rep, n, configs in jobs:
-            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
-            for config in order:
-                ids = [rng.randrange(100, 40000) for _ in range(n)]
-                with PeakMemory() as memory:
-                    samples[config][n]["prefill"].append(run(config, ids, 1))
-                peak[config][n] = max(peak[config].get(n, 0), memory.peak)
-                one = run(config, ids, 1)
-                many = run(config, ids, 1 + args.decode_tokens)
-                samples[config][n]["tpot"].append((many - one) / args.decode_tokens)
-                bar.set_postfix(length=n, config=config)
-                bar.update()
-
     # a batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM
     batch_length, batch_tokens = 2048, 64
     batch = {"plugin_mixed": [], "stock_plain": []}
@@ -150,25 +135,56 @@ def main() -> None:
         return KV_BYTES / (cache.num_gpu_blocks * cache.block_size)
 
     median = statistics.median
-    report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "model": "SmolLM2-135M-Instruct (float32)", "reps": args.reps, "decode_tokens": args.decode_tokens,
-        "lengths": args.lengths, "scaling_lengths": all_lengths,
-        "median": {c: {n: {k: median(v) for k, v in samples[c][n].items()} for n in args.lengths} for c in CONFIGS},
-        "ratio_to_stock": {c: {n: {k: median(samples[c][n][k]) / median(samples["stock"][n][k]) for k in ("prefill", "tpot")}
-                               for n in args.lengths} for c in CONFIGS if c != "stock"},
-        "scaling": {c: {n: {k: median(v) for k, v in samples[c][n].items()} for n in all_lengths
-                        if samples[c][n]["prefill"]} for c in CONFIGS[:2]},
-        "samples": samples,
-        "batch8": {"length": batch_length, "new_tokens": batch_tokens,
-                   "tokens_per_second": {k: median(v) for k, v in batch.items()},
-                   "throughput_ratio": median(batch["plugin_mixed"]) / median(batch["stock_plain"])},
-        "kv_bytes_per_token": {"stock": kv_bytes_per_token(stock), "plugin": kv_bytes_per_token(plugin)},
-        "peak_process_bytes": peak,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    def medians(config: str, lengths: list[int]) -> dict:
+        return {n: {k: median(v) for k, v in samples[config][n].items()} for n in lengths
+                if samples[config][n]["prefill"] and samples[config][n]["tpot"]}
+
+    def write_report() -> dict:
+        """The report from what has been measured so far (written after every run, so a run
+        that dies keeps its results)."""
+        report = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "model": "SmolLM2-135M-Instruct (float32)", "reps": args.reps, "decode_tokens": args.decode_tokens,
+            "lengths": args.lengths, "scaling_lengths": all_lengths,
+            "median": {c: medians(c, args.lengths) for c in CONFIGS},
+            "ratio_to_stock": {c: {n: {k: median(samples[c][n][k]) / median(samples["stock"][n][k])
+                                       for k in ("prefill", "tpot")}
+                                   for n in medians(c, args.lengths) if n in medians("stock", args.lengths)}
+                               for c in CONFIGS if c != "stock"},
+            "scaling": {c: medians(c, all_lengths) for c in CONFIGS[:2]},
+            "samples": samples,
+            "batch8": {"length": batch_length, "new_tokens": batch_tokens,
+                       "tokens_per_second": {k: median(v) for k, v in batch.items()},
+                       "throughput_ratio": median(batch["plugin_mixed"]) / median(batch["stock_plain"])},
+            "kv_bytes_per_token": {"stock": kv_bytes_per_token(stock), "plugin": kv_bytes_per_token(plugin)},
+            "peak_process_bytes": peak,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return report
+
+    jobs = [(rep, n, CONFIGS) for rep in range(args.reps) for n in args.lengths]
+    jobs += [(rep, n, CONFIGS[:2]) for rep in range(args.scaling_reps) for n in args.scaling_lengths
+             if n not in args.lengths]
+    with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
+        for rep, n, configs in jobs:
+            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
+            for config in order:
+                ids = [rng.randrange(100, 40000) for _ in range(n)]
+                with PeakMemory() as memory:
+                    samples[config][n]["prefill"].append(run(config, ids, 1))
+                peak[config][n] = max(peak[config].get(n, 0), memory.peak)
+                one = run(config, ids, 1)
+                many = run(config, ids, 1 + args.decode_tokens)
+                samples[config][n]["tpot"].append((many - one) / args.decode_tokens)
+                bar.set_postfix(length=n, config=config)
+                bar.update()
+                write_report()
+
+
+    report = write_report()
     plot(report, args.out.with_suffix(".png"))
     print_summary(report)
 

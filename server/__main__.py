@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     logger = logging.getLogger("rope_extend.server")
     # vLLM's own INFO lines (config dumps, compile steps) drown the server's; --log-level debug shows them
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if config.log_level == "debug" else "WARNING")
+    # on a CPU one engine step (a long prompt's chunk) can pass vLLM's default 300 s limit,
+    # which would kill the engine; a slow step is not a dead worker here
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     if config.model is None:
         from .provision import provision_default_model
 
