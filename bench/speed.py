@@ -76,7 +76,14 @@ def main() -> None:
     parser.add_argument("--scaling-reps", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
     parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
+    parser.add_argument("--show-rep", type=int, metavar="REP",
+                        help="print the table of one repetition (1-based) from --out and stop")
     args = parser.parse_args()
+    if args.show_rep:
+        report = json.loads(args.out.read_text())
+        print_repetition(report, args.show_rep - 1)
+        plot(report, args.out.with_suffix(".png"), rep=args.show_rep - 1)
+        return
     if args.quick:
         args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
 
@@ -189,15 +196,25 @@ def main() -> None:
     print_summary(report)
 
 
-def plot(report: dict, path: Path) -> None:
+def one_repetition(report: dict, rep: int) -> dict:
+    """Curves of one repetition (lengths measured once, like the scaling sweep's, give their one sample)."""
+    curves = {}
+    for config, by_length in report["samples"].items():
+        curves[config] = {n: {k: v[min(rep, len(v) - 1)] for k, v in values.items()}
+                          for n, values in by_length.items() if values["prefill"] and values["tpot"]}
+    return curves
+
+
+def plot(report: dict, path: Path, rep: int | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (prefill, tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for config, values in report["median"].items():
-        curve = report.get("scaling", {}).get(config, values)  # stock and rerope: the whole sweep
+    curves = one_repetition(report, rep) if rep is not None else {
+        config: report.get("scaling", {}).get(config, values) for config, values in report["median"].items()}
+    for config, curve in curves.items():  # stock and rerope: the whole sweep
         lengths = sorted(curve, key=int)
         prefill.plot([int(n) for n in lengths], [curve[n]["prefill"] for n in lengths], "o-", label=config)
         tpot.plot([int(n) for n in lengths], [curve[n]["tpot"] * 1000 for n in lengths], "o-", label=config)
@@ -207,9 +224,24 @@ def plot(report: dict, path: Path) -> None:
     for axis in (prefill, tpot):
         axis.grid(alpha=0.3, which="both")
         axis.legend()
-    figure.suptitle(f"SmolLM2-135M fp32, {report['machine']}, medians of {report['reps']}")
+    which = f"repetition {rep + 1}" if rep is not None else f"medians of {report['reps']}"
+    figure.suptitle(f"SmolLM2-135M fp32, {report['machine']}, {which}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def print_repetition(report: dict, rep: int) -> None:
+    """One repetition's prefill and TPOT with ratios to stock's in the same repetition."""
+    samples = report["samples"]
+    print(f"repetition {rep + 1} of {report['reps']} ({report['date']})")
+    print(f"{'length':>7} {'config':>13} {'prefill s':>10} {'x stock':>8} {'TPOT ms':>8} {'x stock':>8}")
+    for n in map(str, report["scaling_lengths"]):
+        stock = samples["stock"][n]
+        for config, values in samples.items():
+            if len(values[n]["tpot"]) > rep and len(stock["tpot"]) > rep:
+                prefill, tpot = values[n]["prefill"][rep], values[n]["tpot"][rep]
+                print(f"{n:>7} {config:>13} {prefill:>10.2f} {prefill / stock['prefill'][rep]:>8.2f}"
+                      f" {tpot * 1000:>8.1f} {tpot / stock['tpot'][rep]:>8.2f}")
 
 
 def print_summary(report: dict) -> None:
