@@ -13,10 +13,11 @@ Decode rows (one query each) are batched together in one call of the C++ kernel
 (``csrc/decode_attention.cpp``): it reads the paged cache in place, once, scoring each key
 under its row's rule (rotating only band keys, and old keys only when ``ρ != 0``), with the
 keys split into chunks across cores and the partial softmaxes merged.
-:meth:`RopeExtendAttentionImpl.decode_reference` is the same computation in PyTorch. Prefill rows use PyTorch's fused CPU flash attention three times: the near band
-(query tiles against their ``w``-wide key band), and the far part as a causal call shifted by
-``w`` plus a dense call for keys older than the chunk; the partial results are merged by
-their log-sum-exp. Work is one attention plus the band, never two full score matrices.
+:meth:`RopeExtendAttentionImpl.decode_reference` is the same computation in PyTorch.
+Prefill rows use PyTorch's fused CPU flash attention, unmasked: the near band (see
+:meth:`RopeExtendAttentionImpl.near_band`), and the far part as a causal call shifted by ``w``
+plus a dense call for keys older than the chunk; the partial results are merged by their
+log-sum-exp. Work is one attention plus the band, never two full score matrices.
 """
 
 from __future__ import annotations
@@ -185,14 +186,16 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[RopeExtendMetadata]):
         position = torch.arange(blocks * block_size)
         keep = position[None, :] < seq[:, None]
         row_theta, row_leak, row_window = theta[decode], leak[decode], window[decode]
-        far_table, first_row_of = torch.full((rows,), -1, dtype=torch.int64), {}  # setting -> a row using it
+        far_table, table_of, table_rows = torch.full((rows,), -1, dtype=torch.int64), {}, []
         for r in (row_leak != 0).nonzero().flatten().tolist():
             setting = (float(row_leak[r]), row_theta[r].numpy().tobytes())
-            first_row_of.setdefault(setting, r)
-            far_table[r] = list(first_row_of).index(setting)
+            if setting not in table_of:
+                table_of[setting] = len(table_rows)
+                table_rows.append(r)  # the row whose θ, ρ build this table
+            far_table[r] = table_of[setting]
         far_keys = None
-        if first_row_of:
-            tables = [self.far_key_table(row_theta[r], float(row_leak[r]), blocks * block_size) for r in first_row_of.values()]
+        if table_rows:
+            tables = [self.far_key_table(row_theta[r], float(row_leak[r]), blocks * block_size) for r in table_rows]
             far_keys = torch.stack([cos for cos, _ in tables]), torch.stack([sin for _, sin in tables])
         band_width = min(int(row_window.max()), int(seq.max()))
         band = None

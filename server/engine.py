@@ -194,8 +194,8 @@ class EngineService:
                     logprobs=logprobs, prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA)
             except ValueError as error:
                 raise bad_request(str(error)) from None
-            prompt, params, settings = extension_request({"prompt_token_ids": prompt_ids}, params, settings.model_dump(),
-                                                         self.defaults)
+            # settings are resolved and validated above: no fields left to override them
+            prompt, params, settings = extension_request({"prompt_token_ids": prompt_ids}, params, None, settings)
             jobs.append(Job(f"{request_id}-{index}", prompt_ids, params, settings, prompt))
         return jobs
 
