@@ -13,8 +13,10 @@ rerope, leaky_rerope; each with and without log_n) and context length:
 * **non-repeat accuracy**: how often the true next token is the model's top-1 over those
   same tokens; **repeat accuracy**: the same over the second copy of a text repeated twice
   to fill the context (the seeds' repeat test: can the model copy from far back?);
-* **passkey**: a 5-digit number hidden at several depths of filler text, asked for at the
-  end (greedy, 8 tokens; found or not);
+* **passkey**: a 5-digit number hidden at several depths of the loss text, asked for at the
+  end (greedy, 8 tokens; found or not). Real text rather than a repeated filler sentence
+  makes it a harder haystack, and lets the trials reuse the loss request's K/V before the
+  needle through the prefix cache (a 32k prefill takes minutes here);
 * ablations past the training length: the ReRoPE window (1/8, 1/4, 1/2 of training) and
   ntk_mixed's beta.
 
@@ -44,7 +46,6 @@ RESULTS = ROOT / "bench" / "results"
 METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope"]
 TRAIN_LENGTH = 8192
 SCORED_TOKENS = 4096
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def configs(methods: list[str], log_n_too: bool) -> list[dict]:
@@ -58,6 +59,44 @@ def ablations() -> list[dict]:
     windows = [{"method": "rerope", "window": TRAIN_LENGTH // k} for k in (8, 2)]  # 1/4 is the default
     betas = [{"method": "ntk_mixed", "beta": b} for b in (0.5, 0.75, 1.0)]  # 0.625 is the default
     return windows + betas
+
+
+def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, quick: bool) -> list[tuple]:
+    """The measurements in the order they run: the most informative per CPU-hour first, so a
+    run stopped early (the full grid is many hours on 2 cores) has whole curves rather than
+    every test of a few lengths.
+
+    Up to the first length past training: every loss and the ablations; then repeat and
+    passkey within training; the longer lengths' losses; repeat and passkey at the first length
+    past training; the rest. log_n multiplies queries by max(1, log n / log train): the
+    identity up to the training length, where only its loss is measured (a check that it
+    equals the plain row). The text before a passkey's needle is the loss text's beginning, so
+    each trial reuses K/V of the loss request and of the deeper trials before it (deepest
+    first) through the prefix cache.
+    """
+    first_past = next((n for n in lengths if n > TRAIN_LENGTH), max(lengths))
+    short = [n for n in lengths if n <= first_past]
+    within = [n for n in lengths if n <= TRAIN_LENGTH]
+    past = [n for n in short if n > TRAIN_LENGTH]
+    long = [n for n in lengths if n > first_past]
+    plain = [s for s in grid if not s.get("log_n")]
+    scaled = [s for s in grid if s.get("log_n")]
+
+    def losses(group, settings_list):
+        return [("loss", s, n) for n in group for s in settings_list]
+
+    def details(group, settings_list):
+        jobs = []
+        for n in group:
+            if not quick:
+                jobs += [("repeat", s, n) for s in settings_list]
+            jobs += [("passkey", s, n, depth, round(depth * 100) * 100 + k)
+                     for s in settings_list for depth in sorted(depths, reverse=True) for k in range(keys)]
+        return jobs
+
+    ablation = [] if quick or not past else [("loss", s, first_past) for s in ablations()]
+    return (losses(short, grid) + ablation + details(within, plain) + losses(long, plain) + details(past, plain)
+            + details(past, scaled) + losses(long, scaled) + details(long, plain) + details(long, scaled))
 
 
 def label(settings: dict) -> str:
@@ -78,7 +117,6 @@ class Evaluator:
         self.model = self.http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         text = load_corpus(corpus)
         self.tokens = self.tokenize(text[: 400_000])
-        self.filler = self.tokenize(FILLER * 4000)
         self.runs = runs
         self.done = {}
         if runs.exists():
@@ -137,7 +175,7 @@ class Evaluator:
             question = self.tokenize(" What is the pass key? The pass key is")
             room = length - len(needle) - len(question)
             at = int(room * depth)
-            prompt = self.filler[:at] + needle + self.filler[at:room] + question
+            prompt = self.tokens[:at] + needle + self.tokens[at:room] + question
             answer = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=8, temperature=0,
                                                     extra_body={"context_extension": settings})
             text = answer.choices[0].text
@@ -234,7 +272,8 @@ def markdown_table(summary: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="9k tokens (one length past training), methods without log_n, loss + accuracy + one passkey")
+                        help="9k tokens (one length past training), methods without log_n, loss + accuracy + one passkey, "
+                             "no ablations")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--keys", type=int, default=2, help="passkey trials per depth")
@@ -243,6 +282,8 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--url", help="evaluate a running server instead of starting one")
     parser.add_argument("--runs", type=Path, help="results log (default bench/results/eval[_quick]_runs.jsonl)")
+    parser.add_argument("--budget-minutes", type=float,
+                        help="start no measurement after this many minutes; the summary covers what finished")
     parser.add_argument("--table", action="store_true", help="print the README tables from the results and stop")
     args = parser.parse_args()
     quick = args.quick
@@ -254,8 +295,6 @@ def main() -> int:
     lengths = [9216] if quick else args.lengths
     depths, keys = ([0.5], 1) if quick else (args.depths, args.keys)
     grid = configs(args.methods, log_n_too=not quick)
-    past = [n for n in lengths if n > TRAIN_LENGTH]
-    ablation_lengths = past[:1]  # the first length past training
 
     from tqdm import tqdm
 
@@ -263,6 +302,7 @@ def main() -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
+    jobs = plan(lengths, grid, depths, keys, quick)
     served = max(lengths) + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
              "--max-num-seqs", "2", "--log-level", "warning"]
@@ -270,37 +310,40 @@ def main() -> int:
     server = context.__enter__() if context else None
     try:
         evaluator = Evaluator(args.url or server.base, args.corpus, args.runs, os.environ.get("ROPE_EXTEND_API_KEY"))
-        jobs = []
-        for length in lengths:
-            for settings in grid:
-                jobs.append(("loss", settings, length))
-                if not quick:
-                    jobs.append(("repeat", settings, length))
-                jobs += [("passkey", settings, length, depth, round(depth * 100) * 100 + k)
-                         for depth in depths for k in range(keys)]
-        for length in ablation_lengths:
-            for settings in ablations():
-                jobs.append(("loss", settings, length))
+        deadline = began + 60 * args.budget_minutes if args.budget_minutes else math.inf
         with tqdm(jobs, desc="evaluation", unit="run") as bar:
             for job in bar:
+                if time.perf_counter() > deadline:
+                    bar.write(f"budget of {args.budget_minutes:g} min spent: stopping (rerun to resume)")
+                    break
                 test, settings, length = job[:3]
                 bar.set_postfix_str(f"{test} {label(settings)} {length}")
                 if test == "passkey":
                     evaluator.passkey(settings, length, depth=job[3], sample=job[4])
                 else:
                     getattr(evaluator, test)(settings, length)
+    except KeyboardInterrupt:
+        print("interrupted: the summary covers what finished (rerun to resume)", file=sys.stderr)
     finally:
         if context:
             context.__exit__(None, None, None)
+    if not args.runs.exists():
+        return 1
     summary = summarize(args.runs)
+    records = [json.loads(line) for line in args.runs.read_text().splitlines()]
+    done = {(r["test"], r["label"], r["length"], r["sample"]) for r in records}
+    missing = [job for job in jobs if (job[0], label(job[1]), job[2], job[4] if job[0] == "passkey" else 0) not in done]
     write_outputs(summary, {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                             "model": "SmolLM2-135M-Instruct (float32)", "train_length": TRAIN_LENGTH,
                             "corpus": args.corpus, "profile": "quick" if quick else "full",
                             "passkey_trials_per_length": len(depths) * keys,
+                            "measurements_planned": len(jobs), "measurements_missing": len(missing),
+                            "measured_seconds": round(sum(r["seconds"] for r in records)),
                             "seconds": round(time.perf_counter() - began)}, args.out_dir, stem)
     print(markdown_table(summary))
-    print(f"wrote {args.out_dir / stem}.json, .csv, .png ({time.perf_counter() - began:.0f} s)")
+    print(f"wrote {args.out_dir / stem}.json, .csv, .png ({time.perf_counter() - began:.0f} s); "
+          f"{len(jobs) - len(missing)} of {len(jobs)} planned measurements done")
     return 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from rope_plugins.reference import UnrotatedRotaryEmbedding
 from rope_plugins.rotary import rotate
 
 RESULTS = Path(__file__).parent / "results"
@@ -60,16 +61,6 @@ class ReferenceStyleReRoPE:
         return out.transpose(1, 2), None
 
 
-class IdentityRotary(torch.nn.Module):
-    def __init__(self, head_dim: int):
-        super().__init__()
-        self.head_dim = head_dim
-
-    def forward(self, x, position_ids, *args, **kwargs):
-        shape = (*position_ids.shape, self.head_dim)
-        return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)
-
-
 @torch.no_grad()
 def baseline_generate(model_dir: str, ids: list[int], new_tokens: int, window: int) -> tuple[list[int], float]:
     from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
@@ -81,7 +72,7 @@ def baseline_generate(model_dir: str, ids: list[int], new_tokens: int, window: i
     theta = rope_inv_freq(config.head_dim, float(config.rope_parameters["rope_theta"]))
     AttentionInterface.register(ATTENTION_NAME, ReferenceStyleReRoPE(theta, window))
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation=ATTENTION_NAME)
-    model.model.rotary_emb = IdentityRotary(config.head_dim)
+    model.model.rotary_emb = UnrotatedRotaryEmbedding(config.head_dim)
     model.eval()
     began = time.perf_counter()
     cache = DynamicCache()

@@ -89,3 +89,17 @@ def plain_rope_attention(
     causal = positions[:, None] >= positions[None, :]
     weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", weights, v).to(query.dtype)
+
+
+class UnrotatedRotaryEmbedding(torch.nn.Module):
+    """A transformers Llama rotary embedding that rotates nothing (cos 1, sin 0): put in place
+    of ``model.model.rotary_emb``, q and k reach the attention function unrotated, so an
+    attention registered with transformers can apply any method itself."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        shape = (*position_ids.shape, self.head_dim)
+        return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)

@@ -11,7 +11,8 @@ import hashlib
 import json
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 Method = Literal["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope"]
 METHODS: tuple[str, ...] = get_args(Method)
@@ -52,22 +53,26 @@ class ExtensionSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    train_length: int = Field(..., gt=1)  # declared first: window is checked against it
     method: Method = "none"
     factor: float = Field(4.0, ge=1.0, le=1024.0)
     window: int | None = Field(None, gt=0)
     leaky_k: float = Field(16.0, ge=1.0)
     beta: float = Field(0.625, ge=0.0, le=1.0)
     log_n: StrictBool = False
-    train_length: int = Field(..., gt=1)
+
+    @field_validator("window")
+    @classmethod
+    def _window_inside_training(cls, window: int | None, info: ValidationInfo) -> int | None:
+        train_length = info.data.get("train_length")  # absent when it failed its own check
+        if window is not None and train_length is not None and window >= train_length:
+            raise ValueError(f"must be smaller than train_length ({train_length}), got {window}")
+        return window
 
     @model_validator(mode="after")
-    def _window_inside_training(self) -> "ExtensionSettings":
+    def _default_window(self) -> "ExtensionSettings":
         if self.window is None:
             object.__setattr__(self, "window", max(1, self.train_length // 4))
-        elif self.window >= self.train_length:
-            raise ValueError(
-                f"window must be smaller than train_length ({self.train_length}), got {self.window}"
-            )
         return self
 
     def canonical(self) -> dict[str, Any]:
@@ -104,12 +109,8 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
         return ExtensionSettings.model_validate(merged)
     except ValidationError as error:
         first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or _field_named_in(first["msg"])
+        field = ".".join(str(part) for part in first["loc"])
         raise SettingsError(field, _readable(first)) from None
-
-
-def _field_named_in(message: str) -> str:
-    return "window" if "window" in message else ""
 
 
 def _readable(error: dict[str, Any]) -> str:

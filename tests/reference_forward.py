@@ -11,16 +11,10 @@ from pathlib import Path
 
 import torch
 
-from rope_plugins.reference import reference_attention
+from rope_plugins.reference import UnrotatedRotaryEmbedding, reference_attention
 from rope_plugins.settings import ExtensionSettings
 
 ATTENTION_NAME = "rope_oracle"
-
-
-class IdentityRotary(torch.nn.Module):
-    def forward(self, x, position_ids, *args, **kwargs):
-        shape = (*position_ids.shape, self.head_dim)
-        return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)
 
 
 class ReferenceModel:
@@ -33,9 +27,7 @@ class ReferenceModel:
         self.model.eval()
         config = self.model.config
         self.base = float(config.rope_parameters["rope_theta"])
-        rotary = IdentityRotary()
-        rotary.head_dim = config.head_dim
-        self.model.model.rotary_emb = rotary
+        self.model.model.rotary_emb = UnrotatedRotaryEmbedding(config.head_dim)
 
     def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query [1, H, L, d], key/value [1, Hkv, L, d] -> [1, L, H, d]
