@@ -1,7 +1,7 @@
 """Long-context quality of every method on the real default model, through the real server.
 
     .venv/bin/python bench/evaluate.py            # the full grid (hours on 2 cores; resumable)
-    .venv/bin/python bench/evaluate.py --quick    # one length past training, fewer samples (< 15 min)
+    .venv/bin/python bench/evaluate.py --quick    # 9k tokens, the 8 methods' loss and accuracy (~10 min)
     .venv/bin/python bench/evaluate.py --table    # the README tables from the results file
 
 Starts ``python -m server`` on SmolLM2-135M-Instruct (trained at 8,192 tokens) and, over HTTP
@@ -13,10 +13,8 @@ rerope, leaky_rerope; each with and without log_n) and context length:
 * **non-repeat accuracy**: how often the true next token is the model's top-1 over those
   same tokens; **repeat accuracy**: the same over the second copy of a text repeated twice
   to fill the context (the seeds' repeat test: can the model copy from far back?);
-* **passkey**: a 5-digit number hidden at several depths of the loss text, asked for at the
-  end (greedy, 8 tokens; found or not). Real text rather than a repeated filler sentence
-  makes it a harder haystack, and lets the trials reuse the loss request's K/V before the
-  needle through the prefix cache (a 32k prefill takes minutes here);
+* **passkey**: a 5-digit number hidden at several depths of filler text, asked for at the
+  end (greedy, 8 tokens; found or not);
 * ablations past the training length: the ReRoPE window (1/8, 1/4, 1/2 of training) and
   ntk_mixed's beta.
 
@@ -45,7 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope"]
 TRAIN_LENGTH = 8192
+QUICK_LENGTH = 9216  # --quick: one length past training, loss and accuracy only (~10 min here)
 SCORED_TOKENS = 4096
+TESTS = ["loss", "repeat", "passkey"]
+# the classic passkey haystack: the 135M model does not find a needle in real documentation
+# text even within its training length (tried: 0/2 at 9k tokens for plain RoPE)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def configs(methods: list[str], log_n_too: bool) -> list[dict]:
@@ -61,7 +64,7 @@ def ablations() -> list[dict]:
     return windows + betas
 
 
-def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, quick: bool) -> list[tuple]:
+def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, with_ablations: bool = True) -> list[tuple]:
     """The measurements in the order they run: the most informative per CPU-hour first, so a
     run stopped early (the full grid is many hours on 2 cores) has whole curves rather than
     every test of a few lengths.
@@ -70,9 +73,9 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, q
     passkey within training; the longer lengths' losses; repeat and passkey at the first length
     past training; the rest. log_n multiplies queries by max(1, log n / log train): the
     identity up to the training length, where only its loss is measured (a check that it
-    equals the plain row). The text before a passkey's needle is the loss text's beginning, so
-    each trial reuses K/V of the loss request and of the deeper trials before it (deepest
-    first) through the prefix cache.
+    equals the plain row). Passkey depths go deepest first: the filler before a needle is the
+    same tokens at every depth, so later trials reuse the earlier ones' K/V through the
+    prefix cache.
     """
     first_past = next((n for n in lengths if n > TRAIN_LENGTH), max(lengths))
     short = [n for n in lengths if n <= first_past]
@@ -88,13 +91,12 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, q
     def details(group, settings_list):
         jobs = []
         for n in group:
-            if not quick:
-                jobs += [("repeat", s, n) for s in settings_list]
+            jobs += [("repeat", s, n) for s in settings_list]
             jobs += [("passkey", s, n, depth, round(depth * 100) * 100 + k)
                      for s in settings_list for depth in sorted(depths, reverse=True) for k in range(keys)]
         return jobs
 
-    ablation = [] if quick or not past else [("loss", s, first_past) for s in ablations()]
+    ablation = [] if not (past and with_ablations) else [("loss", s, first_past) for s in ablations()]
     return (losses(short, grid) + ablation + details(within, plain) + losses(long, plain) + details(past, plain)
             + details(past, scaled) + losses(long, scaled) + details(long, plain) + details(long, scaled))
 
@@ -117,6 +119,7 @@ class Evaluator:
         self.model = self.http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         text = load_corpus(corpus)
         self.tokens = self.tokenize(text[: 400_000])
+        self.filler = self.tokenize(FILLER * 4000)
         self.runs = runs
         self.done = {}
         if runs.exists():
@@ -175,7 +178,7 @@ class Evaluator:
             question = self.tokenize(" What is the pass key? The pass key is")
             room = length - len(needle) - len(question)
             at = int(room * depth)
-            prompt = self.tokens[:at] + needle + self.tokens[at:room] + question
+            prompt = self.filler[:at] + needle + self.filler[at:room] + question
             answer = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=8, temperature=0,
                                                     extra_body={"context_extension": settings})
             text = answer.choices[0].text
@@ -215,26 +218,69 @@ def write_outputs(summary: dict, meta: dict, out_dir: Path, stem: str) -> None:
     plot(summary, out_dir / f"{stem}.png")
 
 
+PANELS = [("nll", "loss (NLL of the last 4k tokens)"), ("accuracy", "next-token accuracy, non-repeat"),
+          ("repeat_accuracy", "next-token accuracy, repeat"), ("passkey", "passkey retrieval")]
+
+
+def method_of(name: str) -> str:
+    return name.split("(")[0]
+
+
+def label_order(name: str) -> tuple:
+    """Methods in the issue's order, each before its variants."""
+    return METHODS.index(method_of(name)), name
+
+
+def is_ablation(row: dict) -> bool:
+    return bool(set(row["settings"]) - {"method", "log_n"})
+
+
 def plot(summary: dict, path: Path) -> None:
+    """One panel per measured quantity: lines over context length (solid plain, dashed
+    log_n, one colour per method), bars when there is one length (--quick); the ablations'
+    losses as bars beside their defaults."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("nll", "loss (NLL, last 4k tokens)"), ("accuracy", "next-token accuracy (non-repeat)"),
-              ("repeat_accuracy", "next-token accuracy (repeat)"), ("passkey", "passkey retrieval")]
-    figure, axes = plt.subplots(1, 4, figsize=(18, 4.4))
-    labels = sorted({r["label"] for r in summary["rows"]})
-    for axis, (key, title) in zip(axes, panels):
-        for name in labels:
-            points = sorted((r["length"], r[key]) for r in summary["rows"]
-                            if r["label"] == name and r.get(key) is not None)
-            if points:
-                axis.plot(*zip(*points), "o-", label=name, linestyle="--" if "log_n" in name else "-")
-        axis.axvline(TRAIN_LENGTH, color="grey", linestyle=":")
-        axis.set(title=title, xlabel="context tokens", xscale="log")
+    rows = sorted(summary["rows"], key=lambda r: label_order(r["label"]))
+    main = [r for r in rows if not is_ablation(r)]
+    ablation_lengths = {r["length"] for r in rows if is_ablation(r)}
+    compared = [r for r in rows if r["length"] in ablation_lengths and not r["settings"].get("log_n")
+                and r["settings"]["method"] in {"rerope", "ntk_mixed"}]
+    panels = [(key, title) for key, title in PANELS if any(r.get(key) is not None for r in main)]
+    lengths = sorted({r["length"] for r in main})
+    colours = dict(zip(METHODS, plt.cm.tab10.colors))
+    figure, axes = plt.subplots(1, len(panels) + bool(compared), figsize=(5 * (len(panels) + bool(compared)), 4.6),
+                                squeeze=False)
+
+    def bars(axis, shown, key):
+        drawn = axis.bar(range(len(shown)), [r[key] for r in shown], color=[colours[method_of(r["label"])] for r in shown])
+        axis.bar_label(drawn, fmt="%.3f", fontsize=7)  # neighbours differ in the second decimal
+        axis.set_xticks(range(len(shown)), [r["label"] for r in shown], rotation=40, ha="right", fontsize=8)
+
+    for axis, (key, title) in zip(axes[0], panels):
+        if len(lengths) == 1:
+            bars(axis, [r for r in main if r.get(key) is not None], key)
+            axis.set_title(f"{title}, {lengths[0]:,} tokens")
+        else:
+            for name in dict.fromkeys(r["label"] for r in main):
+                points = sorted((r["length"], r[key]) for r in main if r["label"] == name and r.get(key) is not None)
+                if points:
+                    axis.plot(*zip(*points), marker="o", color=colours[method_of(name)], label=name,
+                              linestyle="--" if "log_n" in name else "-")
+            axis.axvline(TRAIN_LENGTH, color="grey", linestyle=":")
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+            axis.set(title=title, xlabel="context tokens (dotted: training length)")
         axis.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if compared:
+        bars(axes[0][-1], compared, "nll")
+        axes[0][-1].set_title(f"ablations: loss at {min(ablation_lengths):,} tokens")
+        axes[0][-1].grid(alpha=0.3)
+    if len(lengths) > 1:
+        axes[0][0].legend(fontsize=7, ncol=2)
     figure.suptitle("SmolLM2-135M-Instruct (trained at 8,192 tokens): methods past the training length")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -245,16 +291,14 @@ def markdown_table(summary: dict) -> str:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
 
     lengths = sorted({r["length"] for r in summary["rows"]})
-    labels = sorted({r["label"] for r in summary["rows"]}, key=lambda n: (n.split("(")[0] not in METHODS, n))
+    labels = sorted({r["label"] for r in summary["rows"]}, key=label_order)
     by = {(r["label"], r["length"]): r for r in summary["rows"]}
     out = []
     for key, title, fmt in (("nll", "Loss (mean NLL of the last 4,096 tokens; lower is better)", "{:.3f}"),
                             ("accuracy", "Next-token accuracy, non-repeated text", "{:.3f}"),
                             ("repeat_accuracy", "Next-token accuracy, repeated text (second copy)", "{:.3f}"),
                             ("passkey", "Passkey retrieval (found / trials)", None)):
-        out.append(f"{title}:\n")
-        out.append("| method | " + " | ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths) + " |")
-        out.append("| --- |" + " --- |" * len(lengths))
+        table = []
         for name in labels:
             cells = []
             for n in lengths:
@@ -264,21 +308,27 @@ def markdown_table(summary: dict) -> str:
                 else:
                     cells.append(cell(row.get(key), fmt))
             if any(c != "-" for c in cells):
-                out.append(f"| {name} | " + " | ".join(cells) + " |")
-        out.append("")
+                table.append(f"| {name} | " + " | ".join(cells) + " |")
+        if table:  # a profile without the test (--quick: no repeat, no passkey) prints no empty table
+            header = "| method | " + " | ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths) + " |"
+            out += [f"{title}:\n", header, "| --- |" + " --- |" * len(lengths), *table, ""]
     return "\n".join(out)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="9k tokens (one length past training), methods without log_n, loss + accuracy + one passkey, "
-                             "no ablations")
+                        help="9k tokens (one length past training), methods without log_n, loss + accuracy only")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--keys", type=int, default=2, help="passkey trials per depth")
     parser.add_argument("--corpus", default="pydoc")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--without-log-n", action="store_true", help="only the methods as they are, none with log_n")
+    parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True,
+                        help="the window and beta ablations at the first length past training")
+    parser.add_argument("--tests", nargs="+", default=TESTS, choices=TESTS,
+                        help="which measurements (a partial run spends the CPU on the loss curves first)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--url", help="evaluate a running server instead of starting one")
     parser.add_argument("--runs", type=Path, help="results log (default bench/results/eval[_quick]_runs.jsonl)")
@@ -292,9 +342,9 @@ def main() -> int:
     if args.table:
         print(markdown_table(summarize(args.runs)))
         return 0
-    lengths = [9216] if quick else args.lengths
-    depths, keys = ([0.5], 1) if quick else (args.depths, args.keys)
-    grid = configs(args.methods, log_n_too=not quick)
+    lengths = [QUICK_LENGTH] if quick else args.lengths
+    depths, keys = args.depths, args.keys
+    grid = configs(args.methods, log_n_too=not (quick or args.without_log_n))
 
     from tqdm import tqdm
 
@@ -302,7 +352,8 @@ def main() -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    jobs = plan(lengths, grid, depths, keys, quick)
+    jobs = [("loss", s, QUICK_LENGTH) for s in grid] if quick else plan(lengths, grid, depths, keys, args.ablations)
+    jobs = [job for job in jobs if job[0] in args.tests]
     served = max(lengths) + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
              "--max-num-seqs", "2", "--log-level", "warning"]
@@ -337,7 +388,7 @@ def main() -> int:
                             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                             "model": "SmolLM2-135M-Instruct (float32)", "train_length": TRAIN_LENGTH,
                             "corpus": args.corpus, "profile": "quick" if quick else "full",
-                            "passkey_trials_per_length": len(depths) * keys,
+                            "passkey_trials_per_length": 0 if quick else len(depths) * keys,
                             "measurements_planned": len(jobs), "measurements_missing": len(missing),
                             "measured_seconds": round(sum(r["seconds"] for r in records)),
                             "seconds": round(time.perf_counter() - began)}, args.out_dir, stem)

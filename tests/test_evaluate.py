@@ -1,0 +1,71 @@
+"""The evaluation's plan and reports, without a server (its end-to-end run is in test_server.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import evaluate  # noqa: E402
+
+LENGTHS = [4096, 8192, 16384, 32768]
+DEPTHS = [0.1, 0.5, 0.9]
+
+
+@pytest.fixture(scope="module")
+def full_plan():
+    return evaluate.plan(LENGTHS, evaluate.configs(evaluate.METHODS, log_n_too=True), DEPTHS, keys=2)
+
+
+def test_the_plan_holds_every_measurement_once(full_plan):
+    keys = [(job[0], evaluate.label(job[1]), job[2], job[4] if job[0] == "passkey" else 0) for job in full_plan]
+    assert len(keys) == len(set(keys))
+    per_length_plain = 8 * (1 + 1 + 6)  # loss, repeat, 6 passkey trials for each method
+    log_n_within = 8 * 2  # loss only at 4k and 8k
+    log_n_past = 8 * 8 * 2  # everything at 16k and 32k
+    assert len(full_plan) == 4 * per_length_plain + log_n_within + log_n_past + len(evaluate.ablations())
+
+
+def test_the_plan_runs_the_loss_curves_first(full_plan):
+    tests = [job[0] for job in full_plan]
+    first_detail = min(tests.index("repeat"), tests.index("passkey"))
+    early_losses = {(evaluate.label(job[1]), job[2]) for job in full_plan[:first_detail]}
+    for settings in evaluate.configs(evaluate.METHODS, log_n_too=True):
+        for length in (4096, 8192, 16384):
+            assert (evaluate.label(settings), length) in early_losses
+    # the ablations come with the first length past training
+    assert all(job[2] == 16384 for job in full_plan if evaluate.is_ablation({"settings": job[1]}))
+
+
+def test_log_n_is_only_a_loss_check_within_training(full_plan):
+    within = [job for job in full_plan if job[1].get("log_n") and job[2] <= evaluate.TRAIN_LENGTH]
+    assert within and {job[0] for job in within} == {"loss"}
+
+
+def test_passkey_trials_go_deepest_first(full_plan):
+    for settings in evaluate.configs(["rerope"], log_n_too=False):
+        depths = [job[3] for job in full_plan if job[0] == "passkey" and job[1] == settings and job[2] == 16384]
+        assert depths == sorted(depths, reverse=True) and len(depths) == 6
+
+
+def summary_of(rows):
+    return {"rows": [{"settings": {"method": evaluate.method_of(r["label"])}, "passkey_trials": 0, "passkey_found": 0,
+                      "passkey": None, **r} for r in rows]}
+
+
+def test_the_table_orders_methods_and_skips_tests_not_run():
+    summary = summary_of([{"label": "rerope", "length": 16384, "nll": 2.5, "accuracy": 0.5},
+                          {"label": "none", "length": 16384, "nll": 6.25, "accuracy": 0.125}])
+    table = evaluate.markdown_table(summary)
+    assert table.index("| none | 6.250 |") < table.index("| rerope | 2.500 |")
+    assert "second copy" not in table and "Passkey" not in table
+
+
+def test_the_plot_draws_lines_and_bars(tmp_path):
+    rows = [{"label": m, "length": n, "nll": 2.0 + n / 32768, "accuracy": 0.5}
+            for m in ("none", "rerope") for n in (4096, 16384)]
+    evaluate.plot(summary_of(rows), tmp_path / "lines.png")
+    evaluate.plot(summary_of([r for r in rows if r["length"] == 16384]), tmp_path / "bars.png")
+    assert (tmp_path / "lines.png").stat().st_size > 10_000 and (tmp_path / "bars.png").stat().st_size > 10_000
