@@ -374,7 +374,7 @@ def main() -> int:
     server = context.__enter__() if context else None
     try:
         evaluator = Evaluator(args.url or server.base, args.corpus, args.runs, os.environ.get("ROPE_EXTEND_API_KEY"))
-        deadline = began + 60 * args.budget_minutes if args.budget_minutes else math.inf
+        deadline = began + 60 * args.budget_minutes if args.budget_minutes is not None else math.inf
         with tqdm(jobs, desc="evaluation", unit="run") as bar:
             for job in bar:
                 if time.perf_counter() > deadline:
