@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/evaluate.py            # the full grid (hours on 2 cores; resumable)
     .venv/bin/python bench/evaluate.py --quick    # 9k tokens, the 8 methods' loss and accuracy (~10 min)
-    .venv/bin/python bench/evaluate.py --table    # the README tables from the results file
+    .venv/bin/python bench/evaluate.py --table    # summary files and README tables from the results log
 
 Starts ``python -m server`` on SmolLM2-135M-Instruct (trained at 8,192 tokens) and, over HTTP
 with the openai client, for each method (none, pi, ntk_old, ntk_fixed, ntk_mixed, yarn,
@@ -107,6 +107,15 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
             + details(past, scaled) + losses(long, scaled) + details(long, plain) + details(long, scaled))
 
 
+def job_key(job: tuple) -> tuple:
+    """(test, label, length, sample): a planned measurement's identity in the results log."""
+    return job[0], label(job[1]), job[2], job[4] if job[0] == "passkey" else 0
+
+
+def record_key(record: dict) -> tuple:
+    return record["test"], record["label"], record["length"], record.get("sample", 0)
+
+
 def label(settings: dict) -> str:
     extra = ",".join(f"{k}={v}" for k, v in settings.items() if k != "method")
     return settings["method"] + (f"({extra})" if extra else "")
@@ -131,16 +140,15 @@ class Evaluator:
         if runs.exists():
             for line in runs.read_text().splitlines():
                 record = json.loads(line)
-                if not is_current(record):
-                    continue  # measured again
-                self.done[(record["test"], record["label"], record["length"], record.get("sample", 0))] = record
+                if is_current(record):  # others are measured again
+                    self.done[record_key(record)] = record
 
     def tokenize(self, text: str) -> list[int]:
         response = self.http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
         return response.raise_for_status().json()["tokens"]
 
     def record(self, test: str, settings: dict, length: int, sample: int, measure) -> dict:
-        key = (test, label(settings), length, sample)
+        key = (test, label(settings), length, sample)  # job_key of the job measured
         if key in self.done:
             return self.done[key]
         began = time.perf_counter()
@@ -201,9 +209,13 @@ def is_current(record: dict) -> bool:
     return record["test"] != "loss" or record.get("text_end") == max(record["length"], LOSS_TEXT_END)
 
 
-def summarize(runs: Path) -> dict:
+def current_records(runs: Path) -> list[dict]:
+    return [r for r in map(json.loads, runs.read_text().splitlines()) if is_current(r)]
+
+
+def summarize(records: list[dict]) -> dict:
     rows: dict[tuple, dict] = {}
-    for r in filter(is_current, map(json.loads, runs.read_text().splitlines())):
+    for r in records:
         row = rows.setdefault((r["label"], r["length"]), {"label": r["label"], "length": r["length"],
                                                            "settings": r["settings"], "passkey_trials": 0,
                                                            "passkey_found": 0})
@@ -347,17 +359,22 @@ def main() -> int:
     parser.add_argument("--runs", type=Path, help="results log (default bench/results/eval[_quick]_runs.jsonl)")
     parser.add_argument("--budget-minutes", type=float,
                         help="start no measurement after this many minutes; the summary covers what finished")
-    parser.add_argument("--table", action="store_true", help="print the README tables from the results and stop")
+    parser.add_argument("--table", action="store_true",
+                        help="rewrite the summary files from the results log, print the README tables and stop")
     args = parser.parse_args()
     quick = args.quick
     stem = "eval_quick" if quick else "eval"
     args.runs = args.runs or args.out_dir / f"{stem}_runs.jsonl"
-    if args.table:
-        print(markdown_table(summarize(args.runs)))
-        return 0
     lengths = [QUICK_LENGTH] if quick else args.lengths
     depths, keys = args.depths, args.keys
     grid = configs(args.methods, log_n_too=not (quick or args.without_log_n))
+    jobs = [("loss", s, QUICK_LENGTH) for s in grid] if quick else plan(lengths, grid, depths, keys, args.ablations)
+    jobs = [job for job in jobs if job[0] in args.tests]
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (float32)",
+            "train_length": TRAIN_LENGTH, "corpus": args.corpus, "profile": "quick" if quick else "full",
+            "passkey_trials_per_length": 0 if quick else len(depths) * keys}
+    if args.table:
+        return report(args.runs, jobs, meta, args.out_dir, stem)
 
     from tqdm import tqdm
 
@@ -365,8 +382,6 @@ def main() -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    jobs = [("loss", s, QUICK_LENGTH) for s in grid] if quick else plan(lengths, grid, depths, keys, args.ablations)
-    jobs = [job for job in jobs if job[0] in args.tests]
     served = max(lengths) + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
              "--max-num-seqs", "2", "--log-level", "warning"]
@@ -391,25 +406,23 @@ def main() -> int:
     finally:
         if context:
             context.__exit__(None, None, None)
-    if not args.runs.exists():
-        return 1
-    summary = summarize(args.runs)
-    records = [json.loads(line) for line in args.runs.read_text().splitlines()]
-    done = {(r["test"], r["label"], r["length"], r["sample"]) for r in records}
-    missing = [job for job in jobs if (job[0], label(job[1]), job[2], job[4] if job[0] == "passkey" else 0) not in done]
-    write_outputs(summary, {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                            "model": "SmolLM2-135M-Instruct (float32)", "train_length": TRAIN_LENGTH,
-                            "corpus": args.corpus, "profile": "quick" if quick else "full",
-                            "passkey_trials_per_length": 0 if quick else len(depths) * keys,
-                            "measurements_planned": len(jobs), "measurements_missing": len(missing),
-                            "measured_seconds": round(sum(r["seconds"] for r in records)),
-                            "seconds": round(time.perf_counter() - began)}, args.out_dir, stem)
-    print(markdown_table(summary))
-    print(f"wrote {args.out_dir / stem}.json, .csv, .png ({time.perf_counter() - began:.0f} s); "
-          f"{len(jobs) - len(missing)} of {len(jobs)} planned measurements done")
-    return 0
+    return report(args.runs, jobs, {**meta, "seconds": round(time.perf_counter() - began)}, args.out_dir, stem)
 
+
+def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str) -> int:
+    """Summary files and tables from the results log alone (no server needed)."""
+    if not runs.exists():
+        return 1
+    records = current_records(runs)
+    done = {record_key(r) for r in records}
+    missing = [job for job in jobs if job_key(job) not in done]
+    summary = summarize(records)
+    write_outputs(summary, {"date": max(r["date"] for r in records), **meta,
+                            "measurements_planned": len(jobs), "measurements_missing": len(missing),
+                            "measured_seconds": round(sum(r["seconds"] for r in records))}, out_dir, stem)
+    print(markdown_table(summary))
+    print(f"wrote {out_dir / stem}.json, .csv, .png; {len(jobs) - len(missing)} of {len(jobs)} planned measurements done")
+    return 0
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
