@@ -147,13 +147,15 @@ class Evaluator:
         response = self.http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
         return response.raise_for_status().json()["tokens"]
 
-    def record(self, test: str, settings: dict, length: int, sample: int, measure) -> dict:
-        key = (test, label(settings), length, sample)  # job_key of the job measured
+    def run(self, job: tuple) -> dict:
+        """The job's record: from the results log when measured before, else measured and appended."""
+        key = job_key(job)
         if key in self.done:
             return self.done[key]
+        test, settings, length, *passkey_at = job
         began = time.perf_counter()
-        values = measure()
-        record = {"test": test, "label": label(settings), "settings": settings, "length": length, "sample": sample,
+        values = getattr(self, test)(settings, length, *passkey_at)
+        record = {"test": test, "label": key[1], "settings": settings, "length": length, "sample": key[3],
                   **values, "seconds": round(time.perf_counter() - began, 1),
                   "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         with self.runs.open("a") as out:
@@ -173,35 +175,26 @@ class Evaluator:
         return nll, accuracy
 
     def loss(self, settings: dict, length: int) -> dict:
-        def measure():
-            end = max(length, LOSS_TEXT_END)
-            nll, accuracy = self.score(self.tokens[end - length: end], settings, min(SCORED_TOKENS, length - 1))
-            return {"nll": nll, "accuracy": accuracy, "text_end": end}
-
-        return self.record("loss", settings, length, 0, measure)
+        end = max(length, LOSS_TEXT_END)
+        nll, accuracy = self.score(self.tokens[end - length: end], settings, min(SCORED_TOKENS, length - 1))
+        return {"nll": nll, "accuracy": accuracy, "text_end": end}
 
     def repeat(self, settings: dict, length: int) -> dict:
-        def measure():
-            half = self.tokens[50_000: 50_000 + length // 2]  # another passage than the loss text
-            _, accuracy = self.score(half + half, settings, min(SCORED_TOKENS, len(half) - 1))
-            return {"accuracy": accuracy}
-
-        return self.record("repeat", settings, length, 0, measure)
+        half = self.tokens[50_000: 50_000 + length // 2]  # another passage than the loss text
+        _, accuracy = self.score(half + half, settings, min(SCORED_TOKENS, len(half) - 1))
+        return {"accuracy": accuracy}
 
     def passkey(self, settings: dict, length: int, depth: float, sample: int) -> dict:
-        def measure():
-            key = str(random.Random(f"{length}-{depth}-{sample}").randrange(10_000, 100_000))
-            needle = self.tokenize(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-            question = self.tokenize(" What is the pass key? The pass key is")
-            room = length - len(needle) - len(question)
-            at = int(room * depth)
-            prompt = self.filler[:at] + needle + self.filler[at:room] + question
-            answer = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=8, temperature=0,
-                                                    extra_body={"context_extension": settings})
-            text = answer.choices[0].text
-            return {"found": key in text, "depth": depth, "answer": text}
-
-        return self.record("passkey", settings, length, sample, measure)
+        key = str(random.Random(f"{length}-{depth}-{sample}").randrange(10_000, 100_000))
+        needle = self.tokenize(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+        question = self.tokenize(" What is the pass key? The pass key is")
+        room = length - len(needle) - len(question)
+        at = int(room * depth)
+        prompt = self.filler[:at] + needle + self.filler[at:room] + question
+        answer = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=8, temperature=0,
+                                                extra_body={"context_extension": settings})
+        text = answer.choices[0].text
+        return {"found": key in text, "depth": depth, "answer": text}
 
 
 def is_current(record: dict) -> bool:
@@ -395,12 +388,8 @@ def main() -> int:
                 if time.perf_counter() > deadline:
                     bar.write(f"budget of {args.budget_minutes:g} min spent: stopping (rerun to resume)")
                     break
-                test, settings, length = job[:3]
-                bar.set_postfix_str(f"{test} {label(settings)} {length}")
-                if test == "passkey":
-                    evaluator.passkey(settings, length, depth=job[3], sample=job[4])
-                else:
-                    getattr(evaluator, test)(settings, length)
+                bar.set_postfix_str(f"{job[0]} {label(job[1])} {job[2]}")
+                evaluator.run(job)
     except KeyboardInterrupt:
         print("interrupted: the summary covers what finished (rerun to resume)", file=sys.stderr)
     finally:
