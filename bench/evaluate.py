@@ -64,9 +64,13 @@ def configs(methods: list[str], log_n_too: bool) -> list[dict]:
     return grid
 
 
+# the ablated setting of each method and its default (rope_plugins/settings.py)
+ABLATED = {"rerope": ("window", TRAIN_LENGTH // 4), "ntk_mixed": ("beta", 0.625)}
+
+
 def ablations() -> list[dict]:
-    windows = [{"method": "rerope", "window": TRAIN_LENGTH // k} for k in (8, 2)]  # 1/4 is the default
-    betas = [{"method": "ntk_mixed", "beta": b} for b in (0.5, 0.75, 1.0)]  # 0.625 is the default
+    windows = [{"method": "rerope", "window": TRAIN_LENGTH // k} for k in (8, 2)]  # beside the default 1/4
+    betas = [{"method": "ntk_mixed", "beta": b} for b in (0.5, 0.75, 1.0)]
     return windows + betas
 
 
@@ -225,15 +229,15 @@ def summarize(records: list[dict]) -> dict:
     return {"rows": sorted(rows.values(), key=lambda r: (r["label"], r["length"]))}
 
 
-def write_outputs(summary: dict, meta: dict, out_dir: Path, stem: str) -> None:
-    report = {**meta, **summary}
+def write_outputs(report: dict, out_dir: Path, stem: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     columns = ["label", "length", "nll", "accuracy", "repeat_accuracy", "passkey", "passkey_trials"]
     with (out_dir / f"{stem}.csv").open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(summary["rows"])
-    plot(summary, out_dir / f"{stem}.png")
+        writer.writerows(report["rows"])
+    plot(report, out_dir / f"{stem}.png")
 
 
 PANELS = [("nll", "loss (NLL of the last 4k tokens)"), ("accuracy", "next-token accuracy, non-repeat"),
@@ -308,8 +312,9 @@ def markdown_table(summary: dict) -> str:
     def cell(value, fmt="{:.3f}"):
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
 
-    lengths = sorted({r["length"] for r in summary["rows"]})
-    labels = sorted({r["label"] for r in summary["rows"]}, key=label_order)
+    main = [r for r in summary["rows"] if not is_ablation(r)]
+    lengths = sorted({r["length"] for r in main})
+    labels = sorted({r["label"] for r in main}, key=label_order)
     by = {(r["label"], r["length"]): r for r in summary["rows"]}
     out = []
     for key, title, fmt in (("nll", "Loss (mean NLL of the last 4,096 tokens; lower is better)", "{:.3f}"),
@@ -330,7 +335,54 @@ def markdown_table(summary: dict) -> str:
         if table:  # a profile without the test (--quick: no repeat, no passkey) prints no empty table
             header = "| method | " + " | ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths) + " |"
             out += [f"{title}:\n", header, "| --- |" + " --- |" * len(lengths), *table, ""]
+    ablated = sorted((r for r in summary["rows"] if is_ablation(r)), key=lambda r: label_order(r["label"]))
+    for n in sorted({r["length"] for r in ablated}):
+        # each ablated method's default setting beside its variants, in the order of the varied value
+        shown = sorted([r for r in ablated if r["length"] == n]
+                       + [by[m, n] for m in sorted({r["settings"]["method"] for r in ablated}) if (m, n) in by],
+                       key=lambda r: (METHODS.index(r["settings"]["method"]), ablation_value(r)))
+        out += [f"Ablations at {n:,} tokens (the method's default setting in bold):\n",
+                "| setting | loss | accuracy |", "| --- | --- | --- |"]
+        out += [f"| {r['label'] if is_ablation(r) else '**' + ablation_default(r['label']) + '**'} | "
+                f"{cell(r.get('nll'))} | {cell(r.get('accuracy'))} |" for r in shown]
+        out.append("")
     return "\n".join(out)
+
+
+def ablation_value(row: dict) -> float:
+    name, default = ABLATED[row["settings"]["method"]]
+    return row["settings"].get(name, default)
+
+
+def ablation_default(method: str) -> str:
+    name, default = ABLATED[method]
+    return f"{method}({name}={default})"
+
+
+def markdown_report(report: dict) -> str:
+    """The README's evaluation tables: a results file's rows with where and when they were measured."""
+    planned, missing = report["measurements_planned"], report["measurements_missing"]
+    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, corpus `{report['corpus']}`): "
+            f"{planned - missing} of the {planned} planned measurements, `-` where not yet measured.\n\n"
+            + markdown_table(report)).rstrip("\n")
+
+
+def readme_markers(stem: str) -> tuple[str, str]:
+    return f"<!-- {stem}.json tables: bench/evaluate.py --table --readme -->", f"<!-- end of {stem}.json tables -->"
+
+
+def readme_block(readme: str, stem: str) -> str:
+    begin, end = readme_markers(stem)
+    return readme.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def write_readme_block(readme: Path, stem: str, block: str) -> None:
+    text = readme.read_text()
+    begin, end = readme_markers(stem)
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme} has no {begin} ... {end} section to replace")
+    before, rest = text.split(begin, 1)
+    readme.write_text(f"{before}{begin}\n{block}\n{end}{rest.split(end, 1)[1]}")
 
 
 def main() -> int:
@@ -354,6 +406,8 @@ def main() -> int:
                         help="start no measurement after this many minutes; the summary covers what finished")
     parser.add_argument("--table", action="store_true",
                         help="rewrite the summary files from the results log, print the README tables and stop")
+    parser.add_argument("--readme", action="store_true",
+                        help="also replace the tables in README.md (between its eval[_quick].json markers)")
     args = parser.parse_args()
     quick = args.quick
     stem = "eval_quick" if quick else "eval"
@@ -366,14 +420,14 @@ def main() -> int:
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (float32)",
             "train_length": TRAIN_LENGTH, "corpus": args.corpus, "profile": "quick" if quick else "full",
             "passkey_trials_per_length": 0 if quick else len(depths) * keys}
+    readme = ROOT / "README.md" if args.readme else None
     if args.table:
-        return report(args.runs, jobs, meta, args.out_dir, stem)
+        return report(args.runs, jobs, meta, args.out_dir, stem, readme)
 
     from tqdm import tqdm
 
     from server.launcher import running_server
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     served = max(lengths) + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
@@ -395,22 +449,28 @@ def main() -> int:
     finally:
         if context:
             context.__exit__(None, None, None)
-    return report(args.runs, jobs, {**meta, "seconds": round(time.perf_counter() - began)}, args.out_dir, stem)
+    return report(args.runs, jobs, {**meta, "seconds": round(time.perf_counter() - began)}, args.out_dir, stem, readme)
 
 
-def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str) -> int:
-    """Summary files and tables from the results log alone (no server needed)."""
+def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, readme: Path | None = None) -> int:
+    """Summary files and tables from the results log alone (no server needed); with
+    ``readme``, the tables there too."""
     if not runs.exists():
+        print(f"no results log at {runs}: nothing measured yet", file=sys.stderr)
         return 1
     records = current_records(runs)
     done = {record_key(r) for r in records}
     missing = [job for job in jobs if job_key(job) not in done]
-    summary = summarize(records)
-    write_outputs(summary, {"date": max(r["date"] for r in records), **meta,
-                            "measurements_planned": len(jobs), "measurements_missing": len(missing),
-                            "measured_seconds": round(sum(r["seconds"] for r in records))}, out_dir, stem)
-    print(markdown_table(summary))
+    results = {"date": max(r["date"] for r in records), **meta,
+               "measurements_planned": len(jobs), "measurements_missing": len(missing),
+               "measured_seconds": round(sum(r["seconds"] for r in records)), **summarize(records)}
+    write_outputs(results, out_dir, stem)
+    tables = markdown_report(results)
+    print(tables)
     print(f"wrote {out_dir / stem}.json, .csv, .png; {len(jobs) - len(missing)} of {len(jobs)} planned measurements done")
+    if readme:
+        write_readme_block(readme, stem, tables)
+        print(f"replaced the {stem} tables in {readme}")
     return 0
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -69,3 +70,25 @@ def test_the_plot_draws_lines_and_bars(tmp_path):
     evaluate.plot(summary_of(rows), tmp_path / "lines.png")
     evaluate.plot(summary_of([r for r in rows if r["length"] == 16384]), tmp_path / "bars.png")
     assert (tmp_path / "lines.png").stat().st_size > 10_000 and (tmp_path / "bars.png").stat().st_size > 10_000
+
+
+def test_the_readme_block_is_replaced_and_the_rest_kept(tmp_path):
+    begin, end = evaluate.readme_markers("eval")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{begin}\nold table\n{end}\n\nafter\n")
+    for _ in range(2):  # idempotent
+        evaluate.write_readme_block(readme, "eval", "| new | table |")
+        assert readme.read_text() == f"# title\n\n{begin}\n| new | table |\n{end}\n\nafter\n"
+    with pytest.raises(SystemExit, match="no"):
+        evaluate.write_readme_block(readme, "eval_quick", "x")
+
+
+@pytest.mark.parametrize("stem", ["eval", "eval_quick"])
+def test_the_readme_tables_are_the_committed_results(stem):
+    """The README's tables are the summary file's, and the summary file is its results log's
+    (rerun `bench/evaluate.py [--quick] --table --readme` after measuring)."""
+    results = json.loads((evaluate.RESULTS / f"{stem}.json").read_text())
+    log = evaluate.current_records(evaluate.RESULTS / f"{stem}_runs.jsonl")
+    assert results["rows"] == evaluate.summarize(log)["rows"]
+    assert results["date"] == max(r["date"] for r in log)
+    assert evaluate.readme_block((evaluate.ROOT / "README.md").read_text(), stem) == evaluate.markdown_report(results)
