@@ -257,10 +257,35 @@ def is_ablation(row: dict) -> bool:
     return bool(set(row["settings"]) - {"method", "log_n"})
 
 
+def off_scale_limit(values: list[float]) -> float:
+    """The top of a loss axis that keeps the close-together losses apart: a collapsed method
+    (plain RoPE past training: 6-9 nats against 2.5) would otherwise flatten the rest."""
+    middle, low = statistics.median(values), min(values)
+    return max(values) if max(values) <= middle + 4 * (middle - low) else middle + 4 * (middle - low)
+
+
+def passkey_grid(axis, rows: list[dict], lengths: list[int]) -> None:
+    """Found / trials per method and length as a coloured grid: lines of many methods at
+    6/6 would hide one another."""
+    names = list(dict.fromkeys(r["label"] for r in rows if r["passkey_trials"]))
+    by = {(r["label"], r["length"]): r for r in rows}
+    share = [[by[name, n]["passkey"] if by.get((name, n), {}).get("passkey_trials") else math.nan for n in lengths]
+             for name in names]
+    axis.imshow(share, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    for i, name in enumerate(names):
+        for j, n in enumerate(lengths):
+            row = by.get((name, n), {})
+            if row.get("passkey_trials"):
+                axis.text(j, i, f"{row['passkey_found']}/{row['passkey_trials']}", ha="center", va="center", fontsize=8)
+    axis.set_xticks(range(len(lengths)), [f"{n // 1024}k" for n in lengths])
+    axis.set_yticks(range(len(names)), names, fontsize=8)
+    axis.set_xlabel("context tokens")
+
+
 def plot(summary: dict, path: Path) -> None:
     """One panel per measured quantity: lines over context length (solid plain, dashed
     log_n, one colour per method), bars when there is one length (--quick); the ablations'
-    losses as bars beside their defaults."""
+    losses as bars beside their defaults; the legend in a panel of its own."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,41 +293,73 @@ def plot(summary: dict, path: Path) -> None:
 
     rows = sorted(summary["rows"], key=lambda r: label_order(r["label"]))
     main = [r for r in rows if not is_ablation(r)]
-    ablation_lengths = {r["length"] for r in rows if is_ablation(r)}
-    compared = [r for r in rows if r["length"] in ablation_lengths and not r["settings"].get("log_n")
-                and r["settings"]["method"] in {"rerope", "ntk_mixed"}]
+    ablated = [r for r in rows if is_ablation(r)]
+    ablation_length = min((r["length"] for r in ablated), default=None)
+    compared = sorted([r for r in rows if r["length"] == ablation_length and not r["settings"].get("log_n")
+                       and r["settings"]["method"] in ABLATED], key=lambda r: (METHODS.index(method_of(r["label"])),
+                                                                               ablation_value(r)))
     panels = [(key, title) for key, title in PANELS if any(r.get(key) is not None for r in main)]
     lengths = sorted({r["length"] for r in main})
-    colours = dict(zip(METHODS, plt.cm.tab10.colors))
-    figure, axes = plt.subplots(1, len(panels) + bool(compared), figsize=(5 * (len(panels) + bool(compared)), 4.6),
+    lines = len(lengths) > 1
+    count = len(panels) + bool(compared) + lines  # + the legend's panel
+    columns = min(count, 3)
+    figure, axes = plt.subplots(math.ceil(count / columns), columns, figsize=(5.5 * columns, 4.4 * math.ceil(count / columns)),
                                 squeeze=False)
+    axes = list(axes.flat)
+    colours = dict(zip(METHODS, plt.cm.tab10.colors))
 
-    def bars(axis, shown, key):
+    def bars(axis, shown, key, names):
         drawn = axis.bar(range(len(shown)), [r[key] for r in shown], color=[colours[method_of(r["label"])] for r in shown])
         axis.bar_label(drawn, fmt="%.3f", fontsize=7)  # neighbours differ in the second decimal
-        axis.set_xticks(range(len(shown)), [r["label"] for r in shown], rotation=40, ha="right", fontsize=8)
+        axis.set_xticks(range(len(shown)), names, rotation=40, ha="right", fontsize=8)
 
-    for axis, (key, title) in zip(axes[0], panels):
-        if len(lengths) == 1:
-            bars(axis, [r for r in main if r.get(key) is not None], key)
+    for axis, (key, title) in zip(axes, panels):
+        if not lines:
+            shown = [r for r in main if r.get(key) is not None]
+            bars(axis, shown, key, [r["label"] for r in shown])
             axis.set_title(f"{title}, {lengths[0]:,} tokens")
+        elif key == "passkey":
+            passkey_grid(axis, main, lengths)
+            axis.set_title(title)
+            continue
         else:
+            top = off_scale_limit([r[key] for r in main if r.get(key) is not None]) if key == "nll" else math.inf
+            off_scale: dict[int, dict[str, str]] = {}  # length -> value written -> method (once per value)
             for name in dict.fromkeys(r["label"] for r in main):
                 points = sorted((r["length"], r[key]) for r in main if r["label"] == name and r.get(key) is not None)
-                if points:
-                    axis.plot(*zip(*points), marker="o", color=colours[method_of(name)], label=name,
-                              linestyle="--" if "log_n" in name else "-")
+                if not points:
+                    continue
+                axis.plot(*zip(*[(n, min(v, top)) for n, v in points]), marker="o", color=colours[method_of(name)],
+                          label=name, linestyle="--" if "log_n" in name else "-")
+                for n, v in points:
+                    if v > top:  # drawn at the edge, the values listed under it
+                        off_scale.setdefault(n, {}).setdefault(f"{v:.2f}", method_of(name))
+            for n, values in off_scale.items():
+                axis.annotate("\n".join(f"{method} {v}" for v, method in values.items()), (n, top), ha="center", va="top",
+                              textcoords="offset points", xytext=(0, -8), fontsize=7)
+            if top < math.inf:
+                axis.set_ylim(top=top * 1.01)
+                axis.set_title(f"{title}\n(values above {top:.2f} at the top edge)", fontsize=10)
+            else:
+                axis.set_title(title)
             axis.axvline(TRAIN_LENGTH, color="grey", linestyle=":")
             axis.set_xscale("log", base=2)
             axis.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
-            axis.set(title=title, xlabel="context tokens (dotted: training length)")
+            axis.set_xlabel("context tokens (dotted: training length)")
         axis.grid(alpha=0.3)
+    used = len(panels)
     if compared:
-        bars(axes[0][-1], compared, "nll")
-        axes[0][-1].set_title(f"ablations: loss at {min(ablation_lengths):,} tokens")
-        axes[0][-1].grid(alpha=0.3)
-    if len(lengths) > 1:
-        axes[0][0].legend(fontsize=7, ncol=2)
+        axis = axes[used]
+        bars(axis, compared, "nll", [r["label"] if is_ablation(r) else ablation_default(r["label"]) + " (default)"
+                                     for r in compared])
+        axis.set_title(f"ablations: loss at {ablation_length:,} tokens")
+        axis.grid(alpha=0.3)
+        used += 1
+    if lines:
+        handles, names = axes[0].get_legend_handles_labels()
+        axes[used].legend(handles, names, loc="center", ncol=2, fontsize=9, title="method (dashed: with log_n)")
+    for axis in axes[used:]:
+        axis.axis("off")
     figure.suptitle("SmolLM2-135M-Instruct (trained at 8,192 tokens): methods past the training length")
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -64,8 +64,16 @@ def test_the_table_orders_methods_and_skips_tests_not_run():
     assert "second copy" not in table and "Passkey" not in table
 
 
+def test_a_collapsed_loss_goes_off_the_axis_and_close_ones_stay_apart():
+    close = [2.47, 2.50, 2.51, 2.57, 2.60, 2.73]
+    top = evaluate.off_scale_limit(close + [6.4, 8.9])
+    assert max(close) < top < 6.4
+    assert evaluate.off_scale_limit(close) == max(close)
+
+
 def test_the_plot_draws_lines_and_bars(tmp_path):
-    rows = [{"label": m, "length": n, "nll": 2.0 + n / 32768, "accuracy": 0.5}
+    rows = [{"label": m, "length": n, "nll": 2.0 + n / 32768 + 6 * (m == "none" and n > 8192), "accuracy": 0.5,
+             "passkey_trials": 6, "passkey_found": 3, "passkey": 0.5}
             for m in ("none", "rerope") for n in (4096, 16384)]
     evaluate.plot(summary_of(rows), tmp_path / "lines.png")
     evaluate.plot(summary_of([r for r in rows if r["length"] == 16384]), tmp_path / "bars.png")
