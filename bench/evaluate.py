@@ -261,7 +261,7 @@ def off_scale_limit(values: list[float]) -> float:
     """The top of a loss axis that keeps the close-together losses apart: a collapsed method
     (plain RoPE past training: 6-9 nats against 2.5) would otherwise flatten the rest."""
     middle, low = statistics.median(values), min(values)
-    return max(values) if max(values) <= middle + 4 * (middle - low) else middle + 4 * (middle - low)
+    return min(max(values), middle + 4 * (middle - low))
 
 
 def passkey_grid(axis, rows: list[dict], lengths: list[int]) -> None:
@@ -293,11 +293,8 @@ def plot(summary: dict, path: Path) -> None:
 
     rows = sorted(summary["rows"], key=lambda r: label_order(r["label"]))
     main = [r for r in rows if not is_ablation(r)]
-    ablated = [r for r in rows if is_ablation(r)]
-    ablation_length = min((r["length"] for r in ablated), default=None)
-    compared = sorted([r for r in rows if r["length"] == ablation_length and not r["settings"].get("log_n")
-                       and r["settings"]["method"] in ABLATED], key=lambda r: (METHODS.index(method_of(r["label"])),
-                                                                               ablation_value(r)))
+    ablation_length = min((r["length"] for r in rows if is_ablation(r)), default=None)
+    compared = ablation_rows(rows, ablation_length)
     panels = [(key, title) for key, title in PANELS if any(r.get(key) is not None for r in main)]
     lengths = sorted({r["length"] for r in main})
     lines = len(lengths) > 1
@@ -392,18 +389,22 @@ def markdown_table(summary: dict) -> str:
         if table:  # a profile without the test (--quick: no repeat, no passkey) prints no empty table
             header = "| method | " + " | ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths) + " |"
             out += [f"{title}:\n", header, "| --- |" + " --- |" * len(lengths), *table, ""]
-    ablated = sorted((r for r in summary["rows"] if is_ablation(r)), key=lambda r: label_order(r["label"]))
-    for n in sorted({r["length"] for r in ablated}):
-        # each ablated method's default setting beside its variants, in the order of the varied value
-        shown = sorted([r for r in ablated if r["length"] == n]
-                       + [by[m, n] for m in sorted({r["settings"]["method"] for r in ablated}) if (m, n) in by],
-                       key=lambda r: (METHODS.index(r["settings"]["method"]), ablation_value(r)))
+    for n in sorted({r["length"] for r in summary["rows"] if is_ablation(r)}):
+        shown = ablation_rows(summary["rows"], n)
         out += [f"Ablations at {n:,} tokens (the method's default setting in bold):\n",
                 "| setting | loss | accuracy |", "| --- | --- | --- |"]
         out += [f"| {r['label'] if is_ablation(r) else '**' + ablation_default(r['label']) + '**'} | "
                 f"{cell(r.get('nll'))} | {cell(r.get('accuracy'))} |" for r in shown]
         out.append("")
     return "\n".join(out)
+
+
+def ablation_rows(rows: list[dict], length: int | None) -> list[dict]:
+    """The ablations at ``length`` with their methods' default settings among them, each
+    method's rows in the order of the varied value."""
+    shown = [r for r in rows if r["length"] == length and not r["settings"].get("log_n")
+             and r["settings"]["method"] in ABLATED]
+    return sorted(shown, key=lambda r: (METHODS.index(r["settings"]["method"]), ablation_value(r)))
 
 
 def ablation_value(row: dict) -> float:
