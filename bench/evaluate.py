@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import random
+import signal
 import statistics
 import sys
 import time
@@ -120,6 +121,39 @@ def record_key(record: dict) -> tuple:
     return record["test"], record["label"], record["length"], record.get("sample", 0)
 
 
+def cost_key(job_or_record) -> tuple:
+    """What a measurement's time depends on: the test, the length and, for a passkey, the
+    trial's place in its depth order (a trial after another at the same depth reuses that
+    one's filler prefix through the prefix cache and takes a fraction of the time)."""
+    if isinstance(job_or_record, dict):
+        return job_or_record["test"], job_or_record["length"], job_or_record.get("sample", 0)
+    return job_or_record[0], job_or_record[2], job_key(job_or_record)[3]
+
+
+def estimated_seconds(jobs: list[tuple], records: list[dict]) -> list[float | None]:
+    """Each job's expected time on this machine, from the results log: the median of the same
+    test, length and trial measured before; for a length not measured yet, that test's time at
+    the nearest shorter length scaled by how much the loss took longer between the two lengths
+    (the loss is measured first everywhere); None where the log says nothing."""
+    times: dict[tuple, list[float]] = {}
+    for r in records:
+        times.setdefault(cost_key(r), []).append(r["seconds"])
+    median = {key: statistics.median(values) for key, values in times.items()}
+    loss_time = {length: t for (test, length, _), t in median.items() if test == "loss"}
+
+    def estimate(job: tuple) -> float | None:
+        test, length, sample = cost_key(job)
+        if (test, length, sample) in median:
+            return median[test, length, sample]
+        shorter = [n for (t, n, s) in median if t == test and s == sample and n < length and n in loss_time]
+        if shorter and length in loss_time:
+            n = max(shorter)
+            return median[test, n, sample] * loss_time[length] / loss_time[n]
+        return loss_time.get(length)
+
+    return [estimate(job) for job in jobs]
+
+
 def label(settings: dict) -> str:
     extra = ",".join(f"{k}={v}" for k, v in settings.items() if k != "method")
     return settings["method"] + (f"({extra})" if extra else "")
@@ -140,22 +174,14 @@ class Evaluator:
         self.tokens = self.tokenize(text[: 400_000])
         self.filler = self.tokenize(FILLER * 4000)
         self.runs = runs
-        self.done = {}
-        if runs.exists():
-            for line in runs.read_text().splitlines():
-                record = json.loads(line)
-                if is_current(record):  # others are measured again
-                    self.done[record_key(record)] = record
 
     def tokenize(self, text: str) -> list[int]:
         response = self.http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
         return response.raise_for_status().json()["tokens"]
 
     def run(self, job: tuple) -> dict:
-        """The job's record: from the results log when measured before, else measured and appended."""
+        """Measures the job and appends its record to the results log."""
         key = job_key(job)
-        if key in self.done:
-            return self.done[key]
         test, settings, length, *passkey_at = job
         began = time.perf_counter()
         values = getattr(self, test)(settings, length, *passkey_at)
@@ -164,7 +190,6 @@ class Evaluator:
                   "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         with self.runs.open("a") as out:
             out.write(json.dumps(record) + "\n")
-        self.done[key] = record
         return record
 
     def score(self, prompt: list[int], settings: dict, scored: int) -> tuple[float, float]:
@@ -486,6 +511,19 @@ def main() -> int:
 
     from server.launcher import running_server
 
+    records = current_records(args.runs) if args.runs.exists() else []  # a loss of an older text is measured again
+    done = {record_key(r) for r in records}
+    to_do = [job for job in jobs if job_key(job) not in done]
+    expected = estimated_seconds(to_do, records)
+    guess = statistics.median([s for s in expected if s is not None] or [60.0])  # a fresh log knows nothing
+    work = [s if s is not None else guess for s in expected]
+    print(f"{len(jobs) - len(to_do)} of {len(jobs)} measurements in {args.runs.name}; {len(to_do)} to do, "
+          f"about {sum(work) / 3600:.1f} h at the pace of its earlier measurements", file=sys.stderr)
+
+    # SIGTERM (a job runner, `kill`) ends the run as Ctrl-C does: its server stopped, the
+    # summary written; and Ctrl-C works even when a shell started us with SIGINT ignored
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.default_int_handler)
     began = time.perf_counter()
     served = max(lengths) + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
@@ -495,13 +533,17 @@ def main() -> int:
     try:
         evaluator = Evaluator(args.url or server.base, args.corpus, args.runs, os.environ.get("ROPE_EXTEND_API_KEY"))
         deadline = began + 60 * args.budget_minutes if args.budget_minutes is not None else math.inf
-        with tqdm(jobs, desc="evaluation", unit="run") as bar:
-            for job in bar:
+        # the bar counts expected seconds of work, not measurements: they take 15 s to 10 min
+        # each, so only this makes its remaining time mean something
+        with tqdm(total=round(sum(work)), desc="evaluation", unit="s", unit_scale=True,
+                  bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
+            for number, (job, expected) in enumerate(zip(to_do, work), start=1):
                 if time.perf_counter() > deadline:
                     bar.write(f"budget of {args.budget_minutes:g} min spent: stopping (rerun to resume)")
                     break
-                bar.set_postfix_str(f"{job[0]} {label(job[1])} {job[2]}")
+                bar.set_postfix_str(f"{number}/{len(to_do)}: {job[0]} {label(job[1])} {job[2]}")
                 evaluator.run(job)
+                bar.update(round(expected))
     except KeyboardInterrupt:
         print("interrupted: the summary covers what finished (rerun to resume)", file=sys.stderr)
     finally:

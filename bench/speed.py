@@ -92,7 +92,7 @@ def main() -> None:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
-    from rope_plugins.engine import engine_kwargs, extension_request
+    from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
     from rope_plugins.requests import engine_defaults
     from server.provision import provision_default_model
 
@@ -101,6 +101,7 @@ def main() -> None:
     max_len = 1 << (longest - 1).bit_length()
     common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
                   max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
+    compute_on_every_core()  # engine_kwargs does it for the plugin; stock must get the same cores
     stock = LLM(model=model, hf_overrides={"max_position_embeddings": max_len}, **common)
     plugin = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common))
     defaults = engine_defaults(plugin.llm_engine.vllm_config.model_config.hf_config)

@@ -2,11 +2,12 @@
 
 ``engine_kwargs`` is the one place that configures vLLM for the plugin: the architecture
 override, the engine's default settings (in the model config, passed down to every worker),
-the served maximum length and the request-settings tracker.
+the served maximum length, the request-settings tracker, and the CPU cores the worker uses.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm import SamplingParams
@@ -21,14 +22,29 @@ def checkpoint_train_length(model: str) -> int:
     return int(AutoConfig.from_pretrained(model).max_position_embeddings)
 
 
+# vLLM's CPU workers keep one core per worker free for the scheduler process, which mostly
+# waits for the step to finish. Above this many cores that costs little; at 2 it is half the machine.
+FEW_CORES = 4
+RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def compute_on_every_core() -> None:
+    """Let the CPU worker's threads use every core on a small machine (vLLM reads this in the
+    engine process, which inherits the environment); a value the user set is kept."""
+    if len(os.sched_getaffinity(0)) <= FEW_CORES:
+        os.environ.setdefault(RESERVED_CORES_ENV, "0")
+
+
 def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
                   **engine: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` serving ``model`` with the plugin.
 
     ``defaults`` are the engine's extension settings (fields of ExtensionSettings), which
     requests override. Serving past the checkpoint's ``max_position_embeddings`` needs an
-    extension method among the defaults.
+    extension method among the defaults. On a machine with few cores it also lets the
+    worker compute on all of them (:func:`compute_on_every_core`).
     """
+    compute_on_every_core()
     train_length = checkpoint_train_length(model)
     settings = parse_settings(defaults, ExtensionSettings(train_length=train_length))
     served = max_model_len or train_length

@@ -100,3 +100,17 @@ def test_the_readme_tables_are_the_committed_results(stem):
     assert results["rows"] == evaluate.summarize(log)["rows"]
     assert results["date"] == max(r["date"] for r in log)
     assert evaluate.readme_block((evaluate.ROOT / "README.md").read_text(), stem) == evaluate.markdown_report(results)
+
+
+def test_the_time_estimate_comes_from_the_log_and_scales_to_longer_lengths():
+    rerope = {"method": "rerope"}
+    records = [{"test": "loss", "length": 16384, "seconds": 150.0}, {"test": "loss", "length": 16384, "seconds": 170.0},
+               {"test": "loss", "length": 32768, "seconds": 560.0},
+               {"test": "passkey", "length": 16384, "sample": 9000, "seconds": 140.0},
+               {"test": "passkey", "length": 16384, "sample": 9001, "seconds": 28.0}]
+    jobs = [("loss", rerope, 16384), ("passkey", rerope, 16384, 0.9, 9001), ("passkey", rerope, 32768, 0.9, 9000),
+            ("repeat", rerope, 32768), ("repeat", rerope, 4096)]
+    same, reused_prefix, longer, untried, unknown = evaluate.estimated_seconds(jobs, records)
+    assert same == 160.0 and reused_prefix == 28.0
+    assert longer == 140.0 * 560.0 / 160.0  # the 16k trial scaled as the loss time grew from 16k to 32k
+    assert untried == 560.0 and unknown is None  # no repeat measured: the loss time at that length, else nothing
