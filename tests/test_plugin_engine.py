@@ -4,11 +4,13 @@ window and past max_position_embeddings, chunked prefill, prefix-cache hits, sto
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
 
+from rope_plugins.engine import FEW_CORES
 from rope_plugins.settings import parse_settings
 from tiny_llama import TRAIN_LENGTH
 
@@ -163,3 +165,21 @@ def test_serving_past_training_length_needs_a_method(tiny_llama_dir):
     kwargs = engine_kwargs(str(tiny_llama_dir), defaults={"method": "rerope"}, max_model_len=1024)
     assert kwargs["hf_overrides"]["max_position_embeddings"] == 1024
     assert kwargs["hf_overrides"]["rope_extension"]["train_length"] == 256
+
+
+def test_the_worker_computes_on_every_core(full_engine):
+    """vLLM's CPU worker keeps a core for its scheduler unless told otherwise: half of a 2-core
+    machine. engine_kwargs tells it not to on small machines, so the worker's threads are
+    pinned across every core this process may use."""
+    import psutil
+
+    cores = os.sched_getaffinity(0)
+    if len(cores) > FEW_CORES:
+        pytest.skip("vLLM's own reservation applies on larger machines")
+    workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
+    assert workers, "no vLLM worker process found"
+    pinned = set()
+    for worker in workers:
+        for thread in worker.threads():
+            pinned |= os.sched_getaffinity(thread.id)  # a thread id is a pid for the scheduler
+    assert pinned == cores
