@@ -81,8 +81,8 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
     every test of a few lengths.
 
     Up to the first length past training: every loss and the ablations; then repeat and
-    passkey within training; the longer lengths' losses; repeat and passkey at the first length
-    past training; the rest. log_n multiplies queries by max(1, log n / log train): the
+    passkey within training; the longer lengths' losses (without log_n, then with it); repeat
+    and passkey at the first length past training; the rest. log_n multiplies queries by max(1, log n / log train): the
     identity up to the training length, where only its loss is measured (a check that it
     equals the plain row). Passkey depths go deepest first: the filler before a needle is the
     same tokens at every depth, so later trials reuse the earlier ones' K/V through the
@@ -108,8 +108,8 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
         return jobs
 
     ablation = [] if not (past and with_ablations) else [("loss", s, first_past) for s in ablations()]
-    return (losses(short, grid) + ablation + details(within, plain) + losses(long, plain) + details(past, plain)
-            + details(past, scaled) + losses(long, scaled) + details(long, plain) + details(long, scaled))
+    return (losses(short, grid) + ablation + details(within, plain) + losses(long, plain) + losses(long, scaled)
+            + details(past, plain) + details(past, scaled) + details(long, plain) + details(long, scaled))
 
 
 def job_key(job: tuple) -> tuple:

@@ -36,6 +36,11 @@ def test_the_plan_runs_the_loss_curves_first(full_plan):
     for settings in evaluate.configs(evaluate.METHODS, log_n_too=True):
         for length in (4096, 8192, 16384):
             assert (evaluate.label(settings), length) in early_losses
+    # every loss curve, with log_n too, before the repeat and passkey tests past training
+    tests_past = [i for i, job in enumerate(full_plan) if job[0] != "loss" and job[2] > evaluate.TRAIN_LENGTH]
+    assert all(job[0] == "loss" for job in full_plan[:min(tests_past)] if job[2] > evaluate.TRAIN_LENGTH)
+    assert {(evaluate.label(job[1]), job[2]) for job in full_plan if job[0] == "loss"} <= {
+        (evaluate.label(job[1]), job[2]) for job in full_plan[:min(tests_past)] if job[0] == "loss"}
     # the ablations come with the first length past training
     assert all(job[2] == 16384 for job in full_plan if evaluate.is_ablation({"settings": job[1]}))
 

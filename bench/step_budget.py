@@ -1,0 +1,134 @@
+"""The engine's step budget (``--max-num-batched-tokens``) under long prompts: how long a
+decoding request waits between tokens while another request's prompt is prefilled, against
+how fast prompts go through.
+
+    .venv/bin/python bench/step_budget.py                          # budgets 8192 and 2048
+    .venv/bin/python bench/step_budget.py --budgets 8192 4096 2048 1024
+    .venv/bin/python bench/step_budget.py --budgets 2048 --reserved-cores 0 1 --out bench/results/reserved_cores.json
+
+Each step runs every decoding request's next token plus up to the budget of prompt tokens,
+so a decode waits for a whole chunk of someone else's prompt: a smaller budget shortens the
+wait and splits prompts into more chunks. For each budget this starts a server with it
+(otherwise ``make run``'s settings, plus ``--enforce-eager`` for a quick start) and runs the
+same load test (deploy/loadtest.py, same prompts, mix and seed) against it, one budget after
+the other. ``--reserved-cores`` also varies how many cores vLLM's CPU worker leaves to its
+scheduler and the HTTP server (``VLLM_CPU_NUM_OF_RESERVED_CPU``; by default what
+``engine_kwargs`` picks). Writes every run's report to ``bench/results/step_budget.json``
+(``--out``) and a comparison beside it as PNG; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+# the README's load-test run: prompts of 1k-12k tokens (past the 8k training length), two at a time
+WORKLOAD = ["--requests", "8", "--concurrency", "2", "--prompt-lengths", "1024,4096,8192,12288",
+            "--output-tokens", "32", "--mix", "auto=1,rerope=1,ntk_mixed=1"]
+
+
+def run_config(budget: int, reserved: int | None, out_dir: Path) -> dict:
+    from deploy import loadtest
+    from rope_plugins.engine import RESERVED_CORES_ENV
+    from server.launcher import running_server
+
+    flags = ["--max-num-batched-tokens", str(budget), "--enforce-eager", "--log-level", "warning"]
+    name = f"step_budget_{budget}" + ("" if reserved is None else f"_reserved{reserved}")
+    env = {} if reserved is None else {RESERVED_CORES_ENV: str(reserved)}
+    report_path = out_dir / f"{name}.json"
+    with running_server(flags, out_dir / f"{name}_server.log", env) as server:
+        loadtest.main(["--url", server.base, *WORKLOAD, "--out", str(report_path)])
+    report = json.loads(report_path.read_text())
+    report_path.unlink()
+    report_path.with_suffix(".png").unlink()
+    return {"budget": budget, "reserved_cores": reserved, **report}
+
+
+def run_label(run: dict, runs: list[dict]) -> str:
+    label = f"{run['budget']:,}"
+    if len({r["reserved_cores"] for r in runs}) > 1:
+        label += f", {run['reserved_cores']} reserved"
+    return label
+
+
+def table(runs: list[dict]) -> str:
+    lines = ["| budget | ITL median | ITL p90 | ITL p99 | TTFT median | TTFT p99 | TPOT median | total tok/s | duration |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        lines.append(f"| {run_label(r, runs)} | {r['itl_s']['median']:.3f} s | {r['itl_s']['p90']:.2f} s | "
+                     f"{r['itl_s']['p99']:.1f} s | {r['ttft_s']['median']:.1f} s | {r['ttft_s']['p99']:.1f} s | "
+                     f"{r['tpot_s']['median']:.3f} s | {r['total_tokens_per_s']:.0f} | {r['duration_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    plain_numbers = FuncFormatter(lambda value, _: f"{value:g}")
+    figure, (itl, ttft, speed) = plt.subplots(1, 3, figsize=(14, 4.2))
+    names = [run_label(r, runs) for r in runs]
+    width = 0.27
+    for axis, key, title in ((itl, "itl_s", "gap between a request's tokens"), (ttft, "ttft_s", "time to first token")):
+        for i, stat in enumerate(("median", "p90", "p99")):
+            values = [r[key][stat] for r in runs]
+            bars = axis.bar([x + (i - 1) * width for x in range(len(runs))], values, width, label=stat)
+            axis.bar_label(bars, fmt="%.2g", fontsize=7)
+        axis.set_yscale("log")
+        axis.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        axis.yaxis.set_major_formatter(plain_numbers)
+        axis.yaxis.set_minor_formatter(NullFormatter())
+        axis.set_ylim(top=axis.get_ylim()[1] * 4)  # room for the legend above the bars
+        axis.set(title=title, ylabel="seconds (log)", xlabel="step budget (tokens)")
+        axis.set_xticks(range(len(runs)), names)
+        axis.legend(fontsize=8, ncol=3, loc="upper center")
+        axis.grid(alpha=0.3, axis="y")
+    bars = speed.bar(names, [r["total_tokens_per_s"] for r in runs], color="grey")
+    speed.bar_label(bars, fmt="%.0f", fontsize=8)
+    speed.set(title="throughput (prompt + output tokens)", ylabel="tokens / s", xlabel="step budget (tokens)")
+    speed.grid(alpha=0.3, axis="y")
+    first = runs[0]
+    figure.suptitle(f"{first['model']}, {first['machine']}: the same load test under each step budget "
+                    f"({first['config']['requests']} requests, prompts {first['config']['prompt_lengths']})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8192, 2048])
+    parser.add_argument("--reserved-cores", type=int, nargs="+", default=[None],
+                        help="cores vLLM's worker leaves free (default: what engine_kwargs picks)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "step_budget.json")
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG and print the table of --out, and stop")
+    args = parser.parse_args()
+    if args.replot:
+        runs = json.loads(args.out.read_text())["runs"]
+        plot(runs, args.out.with_suffix(".png"))
+        print(table(runs))
+        return 0
+    runs = []
+    for budget, reserved in itertools.product(args.budgets, args.reserved_cores):
+        print(f"step budget {budget}, reserved cores {reserved if reserved is not None else 'default'}: "
+              "starting a server and the load test", flush=True)
+        runs.append(run_config(budget, reserved, args.out.parent))
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "workload": WORKLOAD, "runs": runs}
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(runs, args.out.with_suffix(".png"))
+    print(table(runs))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
