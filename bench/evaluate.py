@@ -82,9 +82,9 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
 
     Up to the first length past training: every loss and the ablations; then repeat and
     passkey within training; the longer lengths' losses (without log_n, then with it); repeat
-    and passkey at the first length past training; the rest. log_n multiplies queries by max(1, log n / log train): the
-    identity up to the training length, where only its loss is measured (a check that it
-    equals the plain row). Passkey depths go deepest first: the filler before a needle is the
+    and passkey at the first length past training; the rest. log_n multiplies queries by
+    max(1, log n / log train): the identity up to the training length, where only its loss is
+    measured (a check that it equals the plain row). Passkey depths go deepest first: the filler before a needle is the
     same tokens at every depth, so later trials reuse the earlier ones' K/V through the
     prefix cache.
     """
@@ -131,14 +131,15 @@ def cost_key(job_or_record) -> tuple:
 
 
 def estimated_seconds(jobs: list[tuple], records: list[dict]) -> list[float | None]:
-    """Each job's expected time on this machine, from the results log: the median of the same
-    test, length and trial measured before; for a length not measured yet, that test's time at
+    """Each job's expected time on this machine, from the results log: the median of the
+    latest three of the same test, length and trial (the machine may have changed between
+    runs; the latest are most like this one); for a length not measured yet, that test's time at
     the nearest shorter length scaled by how much the loss took longer between the two lengths
     (the loss is measured first everywhere); None where the log says nothing."""
     times: dict[tuple, list[float]] = {}
     for r in records:
         times.setdefault(cost_key(r), []).append(r["seconds"])
-    median = {key: statistics.median(values) for key, values in times.items()}
+    median = {key: statistics.median(values[-3:]) for key, values in times.items()}
     loss_time = {length: t for (test, length, _), t in median.items() if test == "loss"}
 
     def estimate(job: tuple) -> float | None:
