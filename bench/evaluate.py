@@ -155,6 +155,14 @@ def estimated_seconds(jobs: list[tuple], records: list[dict]) -> list[float | No
     return [estimate(job) for job in jobs]
 
 
+def fits_budget(expected: float, measured: float, estimated: float, left: float) -> bool:
+    """Whether a measurement the log expects to take ``expected`` seconds fits in the ``left``
+    seconds of the budget, with the log's estimates scaled by how this run compared with
+    them so far (``measured`` seconds for work estimated at ``estimated``)."""
+    pace = measured / estimated if estimated else 1.0
+    return expected * pace <= left
+
+
 def label(settings: dict) -> str:
     extra = ",".join(f"{k}={v}" for k, v in settings.items() if k != "method")
     return settings["method"] + (f"({extra})" if extra else "")
@@ -487,7 +495,8 @@ def main() -> int:
     parser.add_argument("--url", help="evaluate a running server instead of starting one")
     parser.add_argument("--runs", type=Path, help="results log (default bench/results/eval[_quick]_runs.jsonl)")
     parser.add_argument("--budget-minutes", type=float,
-                        help="start no measurement after this many minutes; the summary covers what finished")
+                        help="start no measurement that would end after this many minutes (by the log's timings); "
+                             "the summary covers what finished")
     parser.add_argument("--table", action="store_true",
                         help="rewrite the summary files from the results log, print the README tables and stop")
     parser.add_argument("--readme", action="store_true",
@@ -538,12 +547,15 @@ def main() -> int:
         # each, so only this makes its remaining time mean something
         with tqdm(total=round(sum(work)), desc="evaluation", unit="s", unit_scale=True,
                   bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
+            measured = estimated = 0.0
             for number, (job, expected) in enumerate(zip(to_do, work), start=1):
-                if time.perf_counter() > deadline:
-                    bar.write(f"budget of {args.budget_minutes:g} min spent: stopping (rerun to resume)")
+                if not fits_budget(expected, measured, estimated, deadline - time.perf_counter()):
+                    bar.write(f"the next measurement ({job[0]} {label(job[1])} {job[2]}, about {expected / 60:.0f} min) "
+                              f"does not fit in the {args.budget_minutes:g}-min budget: stopping (rerun to resume)")
                     break
                 bar.set_postfix_str(f"{number}/{len(to_do)}: {job[0]} {label(job[1])} {job[2]}")
-                evaluator.run(job)
+                record = evaluator.run(job)
+                measured, estimated = measured + record["seconds"], estimated + expected
                 bar.update(round(expected))
     except KeyboardInterrupt:
         print("interrupted: the summary covers what finished (rerun to resume)", file=sys.stderr)

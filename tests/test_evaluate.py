@@ -121,3 +121,12 @@ def test_the_time_estimate_comes_from_the_log_and_scales_to_longer_lengths():
     assert same == 160.0 and reused_prefix == 28.0
     assert longer == 140.0 * 560.0 / 160.0  # the 16k trial scaled as the loss time grew from 16k to 32k
     assert untried == 560.0 and unknown is None  # no repeat measured: the loss time at that length, else nothing
+
+
+def test_a_measurement_starts_only_if_it_fits_the_budget_at_this_runs_pace():
+    assert evaluate.fits_budget(expected=300, measured=0, estimated=0, left=301)
+    assert not evaluate.fits_budget(expected=300, measured=0, estimated=0, left=299)
+    # this run has been twice as slow as the log: a 5-minute measurement needs 10
+    assert not evaluate.fits_budget(expected=300, measured=400, estimated=200, left=500)
+    assert evaluate.fits_budget(expected=300, measured=100, estimated=200, left=200)
+    assert not evaluate.fits_budget(expected=1, measured=0, estimated=0, left=0)  # --budget-minutes 0: none

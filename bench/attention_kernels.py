@@ -1,0 +1,107 @@
+"""The two CPU attention kernels on the same inputs: vLLM's paged kernel (what stock vLLM's
+prefill uses; no log-sum-exp) and PyTorch's fused flash attention (what the plugin's prefill
+uses, because merging partial attentions needs the log-sum-exp).
+
+    .venv/bin/python bench/attention_kernels.py
+
+SmolLM2's shapes (9 query heads, 3 KV heads, head dim 64, float32), causal; each case is a
+chunk of queries over its context, as a prefill step sees it. vLLM's kernel reads keys
+from a paged cache written by vLLM's own op; PyTorch's runs as the plugin calls it (KV heads
+repeated, one causal call over the chunk plus a dense call over older keys, merged by
+log-sum-exp). Interleaved repetitions, medians; outputs compared. Writes
+``bench/results/attention_kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+QUERY_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
+SCALE = HEAD_DIM ** -0.5
+CASES = [(0, 4096), (0, 8192), (8192, 8192), (24576, 8192)]  # (context, chunk)
+
+
+def vllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    chunk, seq = query.shape[0], key.shape[0]
+    isa = _get_attn_isa(query.dtype, BLOCK, HEAD_DIM)
+    blocks = -(-seq // BLOCK)
+    key_cache, value_cache = torch.empty(blocks, KV_HEADS, 2 * BLOCK, HEAD_DIM).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(seq), isa)
+    starts, lengths = torch.tensor([0, chunk], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32)
+    schedule = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=QUERY_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=lengths,
+        dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+        seq_lens=lengths, scale=SCALE, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=schedule, s_aux=None)
+    return out
+
+
+def torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
+    from rope_plugins.attention import flash_attention, heads_first, merge_partials
+
+    group = QUERY_HEADS // KV_HEADS
+    q = heads_first(query)[None]
+    parts = [flash_attention(q, heads_first(key[context:], group)[None], heads_first(value[context:], group)[None],
+                             SCALE, causal=True)]
+    if context:
+        parts.append(flash_attention(q, heads_first(key[:context], group)[None],
+                                     heads_first(value[:context], group)[None], SCALE))
+    return merge_partials(*zip(*parts))[0].transpose(0, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attention_kernels.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    kernels = {"vllm": vllm_attention, "torch_flash": torch_attention}
+    rows = []
+    for context, chunk in CASES:
+        query = torch.randn(chunk, QUERY_HEADS, HEAD_DIM)
+        key, value = torch.randn(2, context + chunk, KV_HEADS, HEAD_DIM)
+        times = {name: [] for name in kernels}
+        outputs = {}
+        for _ in range(args.reps):
+            for name, kernel in kernels.items():
+                began = time.perf_counter()
+                outputs[name] = kernel(query, key, value, context)
+                times[name].append(time.perf_counter() - began)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        row = {"context": context, "chunk": chunk, "seconds": medians, "samples": times,
+               "torch_flash_over_vllm": medians["torch_flash"] / medians["vllm"],
+               "max_abs_difference": float((outputs["vllm"] - outputs["torch_flash"]).abs().max())}
+        rows.append(row)
+        print(f"context {context:6,} chunk {chunk:6,}: vLLM {medians['vllm']:.3f} s, torch flash "
+              f"{medians['torch_flash']:.3f} s (x{row['torch_flash_over_vllm']:.2f}), "
+              f"max |difference| {row['max_abs_difference']:.1e}", flush=True)
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = "avx512f" if " avx512f" in flags else "avx2" if " avx2" in flags else "other"
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {isa}", "torch_threads": torch.get_num_threads(),
+              "reps": args.reps, "rows": rows}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
