@@ -151,12 +151,15 @@ class EngineService:
 
     def resolve_settings(self, fields: dict[str, Any], prompt_tokens: int, max_tokens: int) -> ExtensionSettings:
         """The request's settings: server defaults overridden by ``fields``; ``auto`` becomes
-        plain RoPE while prompt + completion fit the training length, ``auto_method`` beyond."""
+        plain RoPE while prompt + completion fit the training length, ``auto_method`` beyond
+        (with log-n query scaling under ``auto_log_n``, unless the request sets ``log_n``)."""
         merged = {**self.config.extension_defaults(), **fields}
         if merged.get("method") == AUTO:
             train_length = merged.get("train_length", self.train_length)
             fits = isinstance(train_length, int) and prompt_tokens + max_tokens <= train_length
             merged["method"] = "none" if fits else self.config.auto_method
+            if not fits and "log_n" not in fields:
+                merged["log_n"] = self.config.log_n or self.config.auto_log_n
         try:
             return parse_settings(merged, self.defaults)
         except SettingsError as error:
