@@ -151,11 +151,13 @@ def test_auto_is_plain_rope_inside_the_training_length_and_the_extension_beyond(
     # a pretend training length of 64 tokens: this request goes past it, so auto extends
     beyond = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello " * 40, max_tokens=40, extra_body={"context_extension": {"method": "auto", "train_length": 64}})
-    assert json.loads(beyond.headers["x-context-extension"]) == {"method": "rerope", "window": 16, "log_n": True}
+    # log-n scales by log(n) / log(train_length), so the applied settings name the training length too
+    assert json.loads(beyond.headers["x-context-extension"]) == {"method": "rerope", "window": 16, "log_n": True,
+                                                                 "train_length": 64}
     assert beyond.parse().choices[0].text is not None
     # log-n comes with auto's extension (--auto-log-n) unless the request says otherwise
     without = client.completions.with_raw_response.create(
-        model=MODEL, prompt="Hello " * 40, max_tokens=4,
+        model=MODEL, prompt="Hello " * 80, max_tokens=2,
         extra_body={"context_extension": {"method": "auto", "train_length": 64, "log_n": False}})
     assert json.loads(without.headers["x-context-extension"]) == {"method": "rerope", "window": 16}
 
