@@ -550,7 +550,7 @@ def main() -> int:
             measured = estimated = 0.0
             for number, (job, expected) in enumerate(zip(to_do, work), start=1):
                 if not fits_budget(expected, measured, estimated, deadline - time.perf_counter()):
-                    bar.write(f"the next measurement ({job[0]} {label(job[1])} {job[2]}, about {expected / 60:.0f} min) "
+                    bar.write(f"the next measurement ({job[0]} {label(job[1])} {job[2]}, about {expected:.0f} s) "
                               f"does not fit in the {args.budget_minutes:g}-min budget: stopping (rerun to resume)")
                     break
                 bar.set_postfix_str(f"{number}/{len(to_do)}: {job[0]} {label(job[1])} {job[2]}")
