@@ -84,9 +84,9 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
     passkey within training; the longer lengths' losses (without log_n, then with it); repeat
     and passkey at the first length past training; the rest. log_n multiplies queries by
     max(1, log n / log train): the identity up to the training length, where only its loss is
-    measured (a check that it equals the plain row). Passkey depths go deepest first: the filler before a needle is the
-    same tokens at every depth, so later trials reuse the earlier ones' K/V through the
-    prefix cache.
+    measured (a check that it equals the plain row). Passkey depths go deepest first: the
+    filler before a needle is the same tokens at every depth, so later trials reuse the
+    earlier ones' K/V through the prefix cache.
     """
     first_past = next((n for n in lengths if n > TRAIN_LENGTH), max(lengths))
     short = [n for n in lengths if n <= first_past]
