@@ -104,9 +104,12 @@ class EngineService:
             hf_config = self.engine.vllm_config.model_config.hf_config
             self.defaults = engine_defaults(hf_config)
             self.state = "ready"
+            config = self.config
+            auto = (f"; auto past training: {config.auto_method}"
+                    f"{' with log_n' if config.log_n or config.auto_log_n else ''}" if config.method == AUTO else "")
             logger.info("engine ready in %.0f s: model %r, trained at %d tokens, serving up to %d; default "
-                        "extension %s", time.perf_counter() - began, self.model_name, self.defaults.train_length,
-                        self.config.max_model_len, self.config.extension_defaults())
+                        "extension %s%s", time.perf_counter() - began, self.model_name, self.defaults.train_length,
+                        config.max_model_len, config.extension_defaults(), auto)
         except Exception as error:
             self.state, self.failure = "failed", f"{type(error).__name__}: {error}"
             logger.exception("the engine failed to start")
