@@ -106,7 +106,7 @@ class EngineService:
             self.state = "ready"
             config = self.config
             auto = (f"; auto past training: {config.auto_method}"
-                    f"{' with log_n' if config.log_n or config.auto_log_n else ''}" if config.method == AUTO else "")
+                    f"{' with log_n' if config.auto_log_n_past_training else ''}" if config.method == AUTO else "")
             logger.info("engine ready in %.0f s: model %r, trained at %d tokens, serving up to %d; default "
                         "extension %s%s", time.perf_counter() - began, self.model_name, self.defaults.train_length,
                         config.max_model_len, config.extension_defaults(), auto)
@@ -162,7 +162,7 @@ class EngineService:
             fits = isinstance(train_length, int) and prompt_tokens + max_tokens <= train_length
             merged["method"] = "none" if fits else self.config.auto_method
             if not fits and "log_n" not in fields:
-                merged["log_n"] = self.config.log_n or self.config.auto_log_n
+                merged["log_n"] = self.config.auto_log_n_past_training
         try:
             return parse_settings(merged, self.defaults)
         except SettingsError as error:
