@@ -130,3 +130,15 @@ def test_a_measurement_starts_only_if_it_fits_the_budget_at_this_runs_pace():
     assert not evaluate.fits_budget(expected=300, measured=400, estimated=200, left=500)
     assert evaluate.fits_budget(expected=300, measured=100, estimated=200, left=200)
     assert not evaluate.fits_budget(expected=1, measured=0, estimated=0, left=0)  # --budget-minutes 0: none
+
+
+def test_a_table_rewrite_keeps_the_timed_runs_seconds(tmp_path):
+    record = {"test": "loss", "label": "none", "settings": {"method": "none"}, "length": 4096, "sample": 0, "nll": 2.5, "accuracy": 0.5,
+              "seconds": 30.0, "text_end": 32768, "date": "2026-11-22T00:00:00+00:00"}
+    runs = tmp_path / "eval_runs.jsonl"
+    runs.write_text(json.dumps(record) + "\n")
+    jobs = [("loss", {"method": "none"}, 4096)]
+    meta = {"machine": "x86_64, 2 cores", "model": "tiny", "corpus": "pydoc"}
+    assert evaluate.report(runs, jobs, {**meta, "seconds": 95}, tmp_path, "eval") == 0  # a timed run
+    assert evaluate.report(runs, jobs, meta, tmp_path, "eval") == 0  # --table
+    assert json.loads((tmp_path / "eval.json").read_text())["seconds"] == 95
