@@ -576,7 +576,8 @@ def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, 
     if "seconds" not in meta and previous.exists():
         # a --table rewrite keeps the wall time of the run that last measured (server start
         # included), which the results log alone cannot tell
-        meta = {**meta, **{k: v for k, v in json.loads(previous.read_text()).items() if k == "seconds"}}
+        seconds = json.loads(previous.read_text()).get("seconds")
+        meta = meta if seconds is None else {**meta, "seconds": seconds}
     done = {record_key(r) for r in records}
     missing = [job for job in jobs if job_key(job) not in done]
     results = {"date": max(r["date"] for r in records), **meta,

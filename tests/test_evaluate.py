@@ -133,8 +133,8 @@ def test_a_measurement_starts_only_if_it_fits_the_budget_at_this_runs_pace():
 
 
 def test_a_table_rewrite_keeps_the_timed_runs_seconds(tmp_path):
-    record = {"test": "loss", "label": "none", "settings": {"method": "none"}, "length": 4096, "sample": 0, "nll": 2.5, "accuracy": 0.5,
-              "seconds": 30.0, "text_end": 32768, "date": "2026-11-22T00:00:00+00:00"}
+    record = {"test": "loss", "label": "none", "settings": {"method": "none"}, "length": 4096, "sample": 0,
+              "nll": 2.5, "accuracy": 0.5, "seconds": 30.0, "text_end": 32768, "date": "2026-11-22T00:00:00+00:00"}
     runs = tmp_path / "eval_runs.jsonl"
     runs.write_text(json.dumps(record) + "\n")
     jobs = [("loss", {"method": "none"}, 4096)]
