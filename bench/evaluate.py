@@ -454,9 +454,14 @@ def ablation_default(method: str) -> str:
 def markdown_report(report: dict) -> str:
     """The README's evaluation tables: a results file's rows with where and when they were measured."""
     planned, missing = report["measurements_planned"], report["measurements_missing"]
+    tables = markdown_table(report)
+    if missing:
+        extent = f"{planned - missing} of the {planned} planned measurements, `-` where not yet measured"
+    else:
+        # A complete grid still has dashes: log_n's repeat and passkey within training are not planned (identity there).
+        extent = f"all {planned} planned measurements" + (", `-` where not planned" if "| - |" in tables else "")
     return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, corpus `{report['corpus']}`): "
-            f"{planned - missing} of the {planned} planned measurements, `-` where not yet measured.\n\n"
-            + markdown_table(report)).rstrip("\n")
+            f"{extent}.\n\n" + tables).rstrip("\n")
 
 
 def readme_markers(stem: str) -> tuple[str, str]:

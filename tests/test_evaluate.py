@@ -85,6 +85,21 @@ def test_the_plot_draws_lines_and_bars(tmp_path):
     assert (tmp_path / "lines.png").stat().st_size > 10_000 and (tmp_path / "bars.png").stat().st_size > 10_000
 
 
+def test_the_report_line_tells_missing_measurements_from_unplanned_cells():
+    rows = [{"label": "rerope", "length": 16384, "nll": 2.5, "accuracy": 0.5, "passkey_trials": 6, "passkey_found": 6},
+            {"label": "rerope(log_n=True)", "length": 4096, "nll": 2.5, "accuracy": 0.5},
+            {"label": "rerope(log_n=True)", "length": 16384, "nll": 2.4, "accuracy": 0.5,
+             "passkey_trials": 6, "passkey_found": 6}]
+    report = {**summary_of(rows), "date": "2026-11-22T00:00:00", "machine": "m", "model": "x", "corpus": "pydoc",
+              "measurements_planned": 9}
+    partial = evaluate.markdown_report({**report, "measurements_missing": 2})
+    assert "7 of the 9 planned measurements, `-` where not yet measured." in partial
+    complete = evaluate.markdown_report({**report, "measurements_missing": 0})
+    assert "all 9 planned measurements, `-` where not planned." in complete  # log_n's passkey at 4k: not planned
+    no_dashes = evaluate.markdown_report({**report, "rows": summary_of(rows[:1])["rows"], "measurements_missing": 0})
+    assert "all 9 planned measurements." in no_dashes
+
+
 def test_the_readme_block_is_replaced_and_the_rest_kept(tmp_path):
     begin, end = evaluate.readme_markers("eval")
     readme = tmp_path / "README.md"
