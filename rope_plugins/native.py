@@ -19,7 +19,10 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 # ROPE_EXTEND_MARCH: the target CPU (images built for other machines set e.g. x86-64-v3).
 MARCH_ENV = "ROPE_EXTEND_MARCH"
 MARCH = os.environ.get(MARCH_ENV, "native")
-CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+# -fopenmp: ATen's parallel_for is an inline OpenMP region, so without it the kernel's
+# chunks run one after another on one core (measured: 1.9 ms per 16k layer either way; 1.1 ms with it).
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
@@ -28,7 +31,8 @@ def decode_kernel():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"rope_plugins_decode_{MARCH.replace('-', '_')}", sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+        return load(name=f"rope_plugins_decode_{MARCH.replace('-', '_')}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                    extra_ldflags=LDFLAGS, verbose=False)
     except Exception as error:  # a missing compiler must not take serving down
         logger.warning("rope_plugins: C++ decode kernel unavailable (%s); using the PyTorch path", error)
         return None

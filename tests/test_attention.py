@@ -3,6 +3,8 @@ the C++ decode kernel, the PyTorch decode path, and prefill from a cached contex
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +23,9 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="ntk_mixed", factor=4.0, log_n=True, train_length=TRAIN), 40, 1),  # shares a far table
     (ExtensionSettings(method="yarn", factor=2.0, log_n=True, train_length=TRAIN), 70, 45),
     (ExtensionSettings(method="leaky_rerope", window=33, leaky_k=2.0, train_length=TRAIN), 120, 60),
+    # decode rows longer than the kernel's 512-key chunk: chunks on different threads, merged
+    (ExtensionSettings(method="rerope", window=40, log_n=True, train_length=TRAIN), 1400, 1),
+    (ExtensionSettings(method="leaky_rerope", window=24, leaky_k=8.0, train_length=TRAIN), 1100, 1),
     # prefill near-band shapes (tiles of PREFILL_TILE below): young queries then several tiles,
     # all tiles, a window smaller than a tile, a one-token window
     (ExtensionSettings(method="rerope", window=37, train_length=TRAIN), 0, 150),
@@ -83,6 +88,14 @@ def test_step_matches_oracle(use_kernel):
     impl.forward(None, query, key, value, cache, meta, output)
     expected = expected_outputs(sequences, starts).float()
     assert (output - expected).abs().max().item() < 2e-5
+
+
+def test_the_kernel_is_built_to_run_its_chunks_in_parallel():
+    """Without OpenMP at build time ATen's parallel_for runs every chunk on one core."""
+    kernel = decode_kernel()
+    if kernel is None:
+        pytest.skip("no compiler for the C++ kernel here")
+    assert b"GOMP_parallel" in Path(kernel.__file__).read_bytes()
 
 
 def test_kernel_equals_pytorch_decode_bit_for_bit_close():
