@@ -3,9 +3,12 @@
     .venv/bin/python bench/profile_step.py --length 8192 --config rerope
     .venv/bin/python bench/profile_step.py --length 8192 --config stock
 
+    .venv/bin/python bench/profile_step.py --length 16384 --config rerope --cached --new-tokens 33
+
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the
 model's operators; prints the top operators by self CPU time and writes the table to
-bench/results/profile_<config>_<length>.txt.
+bench/results/profile_<config>_<length>.txt (``--cached``: the prompt is in the prefix cache
+before the profiled request, so the profile is decode steps, in profile_<config>_<length>_decode.txt).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def main() -> None:
     parser.add_argument("--config", default="rerope", help="stock, or a method name")
     parser.add_argument("--new-tokens", type=int, default=1)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--cached", action="store_true", help="profile decode: run the prompt once before")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -37,7 +41,7 @@ def main() -> None:
     model = str(provision_default_model())
     max_len = 1 << (args.length + args.new_tokens + 64 - 1).bit_length()
     common = dict(dtype="float32", kv_cache_memory_bytes=2 << 30, max_model_len=max_len,
-                  max_num_batched_tokens=max(max_len // 2, 8192), enable_prefix_caching=False)
+                  max_num_batched_tokens=max(max_len // 2, 8192), enable_prefix_caching=args.cached)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     ids = [random.Random(0).randrange(100, 40000) for _ in range(args.length)]
     if args.config == "stock":
@@ -47,13 +51,14 @@ def main() -> None:
         llm = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common))
         defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
         prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, {"method": args.config}, defaults)
-    llm.generate([prompt], params, use_tqdm=False)  # warm
+    llm.generate([prompt], params, use_tqdm=False)  # warm (and, with --cached, fill the prefix cache)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         llm.generate([prompt], params, use_tqdm=False)
     table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
     print(table)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"profile_{args.config}_{args.length}.txt").write_text(table)
+    suffix = "_decode" if args.cached else ""
+    (RESULTS / f"profile_{args.config}_{args.length}{suffix}.txt").write_text(table)
 
 
 if __name__ == "__main__":

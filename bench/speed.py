@@ -78,7 +78,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
     parser.add_argument("--show-rep", type=int, metavar="REP",
                         help="print the table of one repetition (1-based) from --out and stop")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the README's tables (medians, then the scaling sweep) from --out and stop")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown_tables(json.loads(args.out.read_text())))
+        return
     if args.show_rep:
         report = json.loads(args.out.read_text())
         print_repetition(report, args.show_rep - 1)
@@ -258,6 +263,22 @@ def print_summary(report: dict) -> None:
           f" ratio {b['throughput_ratio']:.2f}")
     kv = report["kv_bytes_per_token"]
     print(f"KV-cache bytes per token: stock {kv['stock']:.0f}, plugin {kv['plugin']:.0f}")
+
+
+def markdown_tables(report: dict) -> str:
+    """The medians of the main lengths, then the scaling sweep's samples, with ratios to stock."""
+    header = ["| context | config | prefill s | x stock | TPOT ms | x stock |", "| --- | --- | --- | --- | --- | --- |"]
+
+    def row(n: str, config: str, values: dict, stock: dict) -> str:
+        return (f"| {int(n) // 1024}k | {config} | {values['prefill']:.2f} | {values['prefill'] / stock['prefill']:.2f}"
+                f" | {values['tpot'] * 1000:.1f} | {values['tpot'] / stock['tpot']:.2f} |")
+
+    medians = [row(n, config, values[n], report["median"]["stock"][n])
+               for n in map(str, report["lengths"]) for config, values in report["median"].items()]
+    sweep = [row(n, config, values[n], report["scaling"]["stock"][n])
+             for n in map(str, report["scaling_lengths"]) if n not in map(str, report["lengths"])
+             for config, values in report["scaling"].items() if n in values]
+    return "\n".join(header + medians + ([""] + header + sweep if sweep else []))
 
 
 if __name__ == "__main__":
