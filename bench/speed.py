@@ -273,10 +273,11 @@ def markdown_tables(report: dict) -> str:
         return (f"| {int(n) // 1024}k | {config} | {values['prefill']:.2f} | {values['prefill'] / stock['prefill']:.2f}"
                 f" | {values['tpot'] * 1000:.1f} | {values['tpot'] / stock['tpot']:.2f} |")
 
+    main_lengths = [str(n) for n in report["lengths"]]
     medians = [row(n, config, values[n], report["median"]["stock"][n])
-               for n in map(str, report["lengths"]) for config, values in report["median"].items()]
+               for n in main_lengths for config, values in report["median"].items()]
     sweep = [row(n, config, values[n], report["scaling"]["stock"][n])
-             for n in map(str, report["scaling_lengths"]) if n not in map(str, report["lengths"])
+             for n in map(str, report["scaling_lengths"]) if n not in main_lengths
              for config, values in report["scaling"].items() if n in values]
     return "\n".join(header + medians + ([""] + header + sweep if sweep else []))
 

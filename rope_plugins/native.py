@@ -20,7 +20,7 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 MARCH_ENV = "ROPE_EXTEND_MARCH"
 MARCH = os.environ.get(MARCH_ENV, "native")
 # -fopenmp: ATen's parallel_for is an inline OpenMP region, so without it the kernel's
-# chunks run one after another on one core (measured: 1.9 ms per 16k layer either way; 1.1 ms with it).
+# chunks run one after another on one core (tests/test_attention.py checks the build).
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 
