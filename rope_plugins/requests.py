@@ -10,6 +10,7 @@ slices each step: no per-step loop over requests.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -19,7 +20,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from .rotary import inv_freq, log_n_scale, yarn_attention_factor
-from .settings import ExtensionSettings, SettingsError, parse_settings
+from .settings import MAX_POSITIONS, ExtensionSettings, SettingsError, parse_settings
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def validate_request_fields(fields: Any) -> None:
     if fields is None:
         return
     # Without the model's training length, check everything but window < train_length.
-    parse_settings(fields, ExtensionSettings(train_length=1 << 30))
+    parse_settings(fields, ExtensionSettings(train_length=MAX_POSITIONS))
 
 
 def salted_prompt(prompt: dict[str, Any], settings: ExtensionSettings) -> dict[str, Any]:
@@ -104,6 +105,17 @@ def row_values(settings: ExtensionSettings, head_dim: int, base: float) -> tuple
     return inv_freq(settings, head_dim, base), window, leak, log_n_length, query_factor
 
 
+# Distinct settings seen by a worker: each costs a few hundred bytes; a bounded cache keeps a
+# stream of ever-different requests from growing the worker without limit.
+ROW_VALUES_CACHE_SIZE = 1024
+
+
+@functools.lru_cache(maxsize=ROW_VALUES_CACHE_SIZE)
+def cached_row_values(key: str, settings: ExtensionSettings, head_dim: int, base: float) -> tuple:
+    """:func:`row_values`, once per distinct canonical settings (``key`` is their hash)."""
+    return row_values(settings, head_dim, base)
+
+
 class RequestSettingsTracker(LogitsProcessor):
     """Keeps the batch rows' settings for the attention builder; leaves logits alone."""
 
@@ -119,7 +131,6 @@ class RequestSettingsTracker(LogitsProcessor):
         self.base = rope_base(hf_config)
         rows = vllm_config.scheduler_config.max_num_seqs
         self.tables = RowTables(rows, self.head_dim // 2)
-        self._values_by_hash: dict[str, tuple] = {}
         self.settings: list[ExtensionSettings] = [self.defaults] * rows
         for row in range(rows):
             self.tables.write(row, self._values(self.defaults))
@@ -137,10 +148,7 @@ class RequestSettingsTracker(LogitsProcessor):
             raise VLLMValidationError(str(error), parameter=f"{EXTRA_ARGS_KEY}.{error.field}") from None
 
     def _values(self, settings: ExtensionSettings) -> tuple:
-        key = settings.canonical_hash()
-        if key not in self._values_by_hash:
-            self._values_by_hash[key] = row_values(settings, self.head_dim, self.base)
-        return self._values_by_hash[key]
+        return cached_row_values(settings.canonical_hash(), settings, self.head_dim, self.base)
 
     def resolve(self, params: SamplingParams) -> ExtensionSettings:
         try:
@@ -149,13 +157,24 @@ class RequestSettingsTracker(LogitsProcessor):
             logger.warning("request settings rejected in the worker (%s); using the engine defaults", error)
             return self.defaults
 
+    def _add(self, row: int, params: SamplingParams) -> None:
+        """The row's settings; any failure falls back to the engine defaults, since an
+        exception here would kill the engine and every request in it."""
+        settings = self.resolve(params)
+        try:
+            values = self._values(settings)
+        except Exception:
+            logger.exception("request settings %s failed in the worker; using the engine defaults",
+                             settings.canonical())
+            settings, values = self.defaults, self._values(self.defaults)
+        self.settings[row] = settings
+        self.tables.write(row, values)
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
         for index, params, _, _ in batch_update.added:
-            settings = self.resolve(params)
-            self.settings[index] = settings
-            self.tables.write(index, self._values(settings))
+            self._add(index, params)
         for source, target, direction in batch_update.moved:
             if direction == MoveDirectionality.SWAP:
                 self.tables.swap_rows(source, target)

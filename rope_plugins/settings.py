@@ -33,6 +33,13 @@ _FIELDS_USED = {
 }
 
 
+# The largest training length (and so window) a setting may name: past any context served
+# today, and small enough that every derived value fits the worker's int64 / float64 tables.
+MAX_POSITIONS = 1 << 24
+# Leaky ReRoPE's slope divisor: at 65536 the far keys are already flat (ReRoPE itself).
+MAX_LEAKY_K = 65536.0
+
+
 class SettingsError(ValueError):
     """A bad extension setting: ``field`` names it, ``reason`` says why."""
 
@@ -51,13 +58,14 @@ class ExtensionSettings(BaseModel):
     ``window`` defaults to a quarter of ``train_length`` (the seed's best range is 1/4..1/2).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # every number bounded and finite: a request's values end up in the worker's tensors
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
-    train_length: int = Field(..., gt=1)  # declared first: window is checked against it
+    train_length: int = Field(..., gt=1, le=MAX_POSITIONS)  # declared first: window is checked against it
     method: Method = "none"
     factor: float = Field(4.0, ge=1.0, le=1024.0)
-    window: int | None = Field(None, gt=0)
-    leaky_k: float = Field(16.0, ge=1.0)
+    window: int | None = Field(None, gt=0, le=MAX_POSITIONS)
+    leaky_k: float = Field(16.0, ge=1.0, le=MAX_LEAKY_K)
     beta: float = Field(0.625, ge=0.0, le=1.0)
     log_n: StrictBool = False
 
@@ -113,10 +121,16 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
         raise SettingsError(field, _readable(first)) from None
 
 
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value quoted in an error message, cut short: the message must not echo a huge input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _readable(error: dict[str, Any]) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         return f"unknown field; known fields are {', '.join(ExtensionSettings.model_fields)}"
     if error["type"] == "literal_error":
-        return f"unknown method {error['input']!r}; choose one of {', '.join(METHODS)}"
-    return f"{message} (got {error.get('input')!r})" if "input" in error and error["type"] != "value_error" else message
+        return f"unknown method {_shown(error['input'])}; choose one of {', '.join(METHODS)}"
+    return f"{message} (got {_shown(error.get('input'))})" if "input" in error and error["type"] != "value_error" else message

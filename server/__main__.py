@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    logger = logging.getLogger("rope_extend.server")
+    logger = logging.getLogger(__name__)
     # vLLM's own INFO lines (config dumps, compile steps) drown the server's; --log-level debug shows them
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if config.log_level == "debug" else "WARNING")
     # on a CPU one engine step (a long prompt's chunk) can pass vLLM's default 300 s limit,
@@ -27,12 +27,18 @@ def main(argv: list[str] | None = None) -> int:
         model = config.model
     import uvicorn
 
-    from .app import create_app
+    from .app import EXIT_ENGINE_FAILED, create_app
 
     logger.info("listening on http://%s:%d (the engine starts now; /health says when it is ready)",
                 config.host, config.port)
-    uvicorn.run(create_app(config, model), host=config.host, port=config.port, log_level=config.log_level,
-                access_log=False, timeout_graceful_shutdown=config.shutdown_timeout)
+    app = create_app(config, model)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           access_log=False, timeout_graceful_shutdown=config.shutdown_timeout))
+    app.state.stop_serving = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if app.state.service.state == "failed":
+        logger.error("exiting with status %d: the engine failed (%s)", EXIT_ENGINE_FAILED, app.state.service.failure)
+        return EXIT_ENGINE_FAILED
     return 0
 
 

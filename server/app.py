@@ -3,6 +3,12 @@
 The engine starts in the background once the app is up, so /health answers (503, "starting")
 while the model loads, which is what startup probes expect; the /v1 routes answer 503 until
 it is ready.
+
+If the engine fails to start, or dies later, the server does not linger serving 503: the
+requests in flight fail (503; a stream gets an error event and ``[DONE]``), then the app asks
+its ASGI server to stop (``app.state.stop_serving``) and ``python -m server`` exits with
+status :data:`EXIT_ENGINE_FAILED`, so that whatever supervises it (compose's restart policy,
+Kubernetes, systemd) starts a fresh one.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from importlib.metadata import version
+from pathlib import Path
 
 from fastapi import FastAPI
 
@@ -20,7 +28,28 @@ from .errors import install_error_handlers
 from .metrics import Metrics
 from .routes import chat, completions, models, system
 
-logger = logging.getLogger("rope_extend.server")
+logger = logging.getLogger(__name__)
+
+EXIT_ENGINE_FAILED = 3
+# how long the requests in flight get to fail on their own once the engine is gone
+FAILING_GRACE_SECONDS = 30.0
+
+
+async def stop_when_the_engine_fails(app: FastAPI, poll: float = 0.5) -> None:
+    """Wait for the engine to fail (at start or later), let what was in flight fail, then stop
+    serving so that the process exits with :data:`EXIT_ENGINE_FAILED`."""
+    service: EngineService = app.state.service
+    while service.health()[0] or service.state in ("starting", "stopping"):
+        await asyncio.sleep(poll)
+        if service.state == "stopping":
+            return
+    logger.error("the engine failed (%s); failing the %d sequences in flight, then exiting with status %d so that "
+                 "a supervisor starts a new server", service.failure, service.in_flight, EXIT_ENGINE_FAILED)
+    service.metrics.engine_gone()
+    deadline = time.monotonic() + FAILING_GRACE_SECONDS
+    while service.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(poll)
+    app.state.stop_serving()
 
 
 def create_app(config: ServerConfig, model: str) -> FastAPI:
@@ -29,16 +58,46 @@ def create_app(config: ServerConfig, model: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         starting = asyncio.create_task(service.start(model))
+        watching = asyncio.create_task(stop_when_the_engine_fails(app))
         yield
         if not starting.done():
             await asyncio.gather(starting, return_exceptions=True)
+        watching.cancel()
+        failed = service.state == "failed"
         service.shutdown()
+        if failed:
+            service.state = "failed"
         logger.info("engine stopped; bye")
 
     app = FastAPI(title="rope-extend-server", version=version("rope-extend-server"), lifespan=lifespan,
                   description="OpenAI-compatible serving past the training context, with per-request RoPE extension.")
     app.state.service, app.state.config = service, config
+    # the entry point replaces this with its ASGI server's stop (tests build apps without one)
+    app.state.stop_serving = lambda: logger.warning("the engine failed and nothing can stop this app")
     install_error_handlers(app)
     for router in (chat.router, completions.router, models.router, system.router):
         app.include_router(router)
+    document_real_responses(app, service.model_name or Path(model).name)
     return app
+
+
+def document_real_responses(app: FastAPI, model_name: str) -> None:
+    """The schema as this server answers: FastAPI documents a 422 for every body, but bad input
+    gets a 400 (the OpenAI way), so the 422 and its models go; ``model`` shows the served one."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = generate()
+            for operations in document.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = document.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest"):
+                schemas.get(name, {}).get("properties", {}).get("model", {})["examples"] = [model_name]
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -43,11 +43,14 @@ class ServerConfig(BaseModel):
     log_n: bool = Field(False, description="default log-n query scaling")
     dtype: str = Field("float32", description="model dtype (vLLM's CPU backend needs float32 for SmolLM2)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
-    max_num_seqs: int = Field(8, description="requests decoded together")
+    max_num_seqs: int = Field(8, description="sequences decoded together")
     # a decoding request waits for each step's prompt chunk: bench/step_budget.py measured 2048 to
     # cut the p99 gap between tokens 2.7x against 8192 at the same throughput (512 lost 13%)
     max_num_batched_tokens: int = Field(2048, description="tokens per engine step (longer prompts are chunked)")
-    max_waiting: int = Field(64, description="requests allowed to wait beyond the running ones; more get 429")
+    max_waiting: int = Field(64, description="sequences allowed to wait beyond the running ones; more get 429")
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="largest request body accepted (bytes); larger is 413")
+    max_logprob_entries: int = Field(1 << 20, ge=1, description="most log-probabilities one request may ask for "
+                                                                 "(positions x choices x (top + 1))")
     shutdown_timeout: float = Field(30.0, description="seconds running requests get to finish on SIGTERM")
     enforce_eager: bool = Field(False, description="skip torch.compile (faster start, slower steps)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism: GPUs per pipeline stage")

@@ -8,9 +8,10 @@ sampling values), so bad input is a 400 and never reaches, or disturbs, the runn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,15 @@ from rope_plugins.requests import engine_defaults
 from rope_plugins.settings import ExtensionSettings, SettingsError, parse_settings
 
 from .config import AUTO, ServerConfig
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, engine_unavailable, server_full
 from .metrics import Metrics
 from .schemas import SamplingFields
 
-logger = logging.getLogger("rope_extend.server")
+logger = logging.getLogger(__name__)
+
+# vLLM's parameter names, as the API calls them
+API_PARAMS = {"extra_args": "context_extension", "prompt_token_ids": "prompt", "logprobs": "logprobs",
+              "prompt_logprobs": "logprobs"}
 
 
 @dataclass
@@ -46,6 +51,9 @@ class Job:
 
 
 class Admission:
+    """A request's claim on ``count`` sequences of the server's capacity, from before its
+    prompt is tokenized until its answer is done."""
+
     def __init__(self, service: "EngineService", count: int) -> None:
         self.service, self.count = service, count
 
@@ -54,6 +62,15 @@ class Admission:
             self.service.in_flight -= self.count
             self.service.metrics.in_flight.set(self.service.in_flight)
             self.count = 0
+
+    @contextlib.contextmanager
+    def released_on_error(self) -> Iterator[None]:
+        """Until the answer takes the claim over: any failure gives it back."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
 
 
 class EngineService:
@@ -69,6 +86,7 @@ class EngineService:
         self.failure: str | None = None
         self.in_flight = 0
         self.capacity = config.max_num_seqs + config.max_waiting
+        self.longest_token_chars = 0  # the vocabulary's longest token: bounds a text's tokens from below
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -101,6 +119,7 @@ class EngineService:
             self.engine = await asyncio.to_thread(
                 AsyncLLM.from_engine_args, args, stat_loggers=[self.metrics.stat_logger_factory()])
             self.tokenizer = self.engine.get_tokenizer()
+            self.longest_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
             hf_config = self.engine.vllm_config.model_config.hf_config
             self.defaults = engine_defaults(hf_config)
             self.state = "ready"
@@ -133,7 +152,7 @@ class EngineService:
     def require_ready(self) -> None:
         healthy, reason = self.health()
         if not healthy:
-            raise APIError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+            raise engine_unavailable(reason)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -142,10 +161,20 @@ class EngineService:
             raise APIError(400, f"model {name!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_text_length(self, characters: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit: no token covers more than
+        ``longest_token_chars`` characters, so it has at least characters / that many tokens."""
+        served = self.config.max_model_len
+        if characters > served * self.longest_token_chars:
+            raise bad_request(f"{param}: the text has {characters} characters, so more than {served} tokens, this "
+                              f"server's maximum context", param=param, code="context_length_exceeded")
+
+    def encode_text(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.check_text_length(len(text), param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        self.check_text_length(sum(len(message["content"]) for message in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as error:  # a template that refuses the conversation (e.g. role order)
@@ -164,16 +193,23 @@ class EngineService:
             if not fits and "log_n" not in fields:
                 merged["log_n"] = self.config.auto_log_n_past_training
         try:
-            return parse_settings(merged, self.defaults)
+            settings = parse_settings(merged, self.defaults)
+            longest = max(self.config.max_model_len, self.train_length)
+            if settings.train_length > longest:
+                raise SettingsError("train_length", f"must be at most {longest} (the longer of the served context "
+                                                    f"and the checkpoint's training length), got {settings.train_length}")
+            return settings
         except SettingsError as error:
             param = f"context_extension.{error.field}" if error.field else "context_extension"
             raise bad_request(str(error), param=param, code="invalid_context_extension") from None
 
-    def build_jobs(self, prompts: list[list[int]], body: SamplingFields, request_id: str, *,
-                   prompt_param: str, logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Job]:
+    def build_jobs(self, prompts: list[list[int]], body: SamplingFields, request_id: str, *, prompt_param: str,
+                   logprobs: int | None = None, prompt_logprobs: int | None = None,
+                   logprobs_param: str = "logprobs") -> list[Job]:
         """Validated engine requests, one per prompt; raises APIError (400) on bad input."""
         served = self.config.max_model_len
         jobs = []
+        logprob_entries = 0
         fields = body.context_extension.fields() if body.context_extension else {}
         for index, prompt_ids in enumerate(prompts):
             if not prompt_ids:
@@ -188,29 +224,50 @@ class EngineService:
                     f"max_tokens: the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, "
                     f"{len(prompt_ids) + max_tokens} in all; this server's maximum context is {served} tokens",
                     param="max_tokens", code="context_length_exceeded")
+            if body.min_tokens > max_tokens:
+                raise bad_request(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})",
+                                  param="min_tokens")
             vocabulary = self.engine.vllm_config.model_config.get_vocab_size()
             if any(not 0 <= t < vocabulary for t in prompt_ids):
                 raise bad_request(f"{prompt_param}: token ids must be in [0, {vocabulary})", param=prompt_param)
+            if logprobs is not None:
+                logprob_entries += body.n * max_tokens * (logprobs + 1)
+            if prompt_logprobs is not None:
+                logprob_entries += len(prompt_ids) * (prompt_logprobs + 1)
+            if logprob_entries > self.config.max_logprob_entries:
+                raise bad_request(
+                    f"{logprobs_param}: this request asks for {logprob_entries} log-probabilities or more "
+                    f"(positions x choices x (top + 1)); the limit is {self.config.max_logprob_entries}: lower max_tokens, n or "
+                    f"{logprobs_param}", param=logprobs_param)
             settings = self.resolve_settings(fields, len(prompt_ids), max_tokens)
-            try:
-                params = SamplingParams(
-                    n=body.n, temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
-                    stop=body.stop_list() or None, seed=body.seed, presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA)
-            except ValueError as error:
-                raise bad_request(str(error)) from None
+            params = self.sampling_params(body, max_tokens, logprobs, prompt_logprobs)
             # settings are resolved and validated above: no fields left to override them
             prompt, params, settings = extension_request({"prompt_token_ids": prompt_ids}, params, None, settings)
             jobs.append(Job(f"{request_id}-{index}", prompt_ids, params, settings, prompt))
         return jobs
 
-    def admit(self, count: int) -> "Admission":
-        """Bounded admission: running + waiting requests; beyond it, 429 (the client retries).
+    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            return SamplingParams(
+                n=body.n, temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
+                stop=body.stop_list() or None, seed=body.seed, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA)
+        except (ValueError, VLLMValidationError) as error:  # VLLMValidationError is not a ValueError
+            raise engine_refusal(error) from None
+
+    def admit(self, count: int, param: str) -> "Admission":
+        """Bounded admission of ``count`` sequences (prompts x n): beyond the running + waiting
+        capacity, 429 with Retry-After; a request that could never fit, 400 naming ``param``.
         Release the returned ticket when the request is done (idempotent)."""
+        if count > self.capacity:
+            raise bad_request(f"{param}: this request needs {count} sequences (prompts x n); this server holds at "
+                              f"most {self.capacity} at once", param=param, code="request_too_large")
         if self.in_flight + count > self.capacity:
-            raise APIError(429, f"the server is full ({self.in_flight} requests in flight, at most {self.capacity}); "
-                                "retry later", code="queue_full")
+            raise server_full(self.in_flight, self.capacity)
         self.in_flight += count
         self.metrics.in_flight.set(self.in_flight)
         return Admission(self, count)
@@ -218,10 +275,23 @@ class EngineService:
     async def generate(self, job: Job) -> AsyncIterator[Any]:
         """The engine's outputs (deltas) for one job; an abandoned iteration aborts it in the engine."""
         from vllm.exceptions import VLLMValidationError
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
             async for output in self.engine.generate(job.engine_prompt, job.params, job.request_id):
                 yield output
         except VLLMValidationError as error:
-            param = getattr(error, "parameter", None)
-            raise bad_request(str(error), param=param) from None
+            raise engine_refusal(error) from None
+        except EngineDeadError:
+            raise engine_unavailable("the engine died while serving this request; the server restarts") from None
+
+
+def engine_refusal(error: Exception) -> APIError:
+    """vLLM's refusal of a sampling value, as a 400 naming the API's field (vLLM names it, or
+    its message starts with it: "n must be 1 when using greedy sampling")."""
+    param = getattr(error, "parameter", None)
+    if not param:
+        first_word = str(error).split(" ", 1)[0]
+        param = first_word if first_word in SamplingFields.model_fields else None
+    param = API_PARAMS.get(param, param) if param else None
+    return bad_request(f"{param}: {error}" if param else str(error), param=param)

@@ -16,8 +16,9 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from .engine import Admission, EngineService, Job
+from .errors import APIError, ClientDisconnected, error_body, printable
 
-logger = logging.getLogger("rope_extend.server")
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -31,7 +32,7 @@ async def tracked(service: EngineService, job: Job, arrival: float, prompt_text:
     counts by method; one log line when it ends, however it ends."""
     metrics, method = service.metrics, job.label
     first = last = None
-    generated, outcome, finish = 0, "error", None
+    generated, outcome, finish, reason = 0, "error", None, ""
     try:
         async for output in service.generate(job):
             now = time.perf_counter()
@@ -51,6 +52,13 @@ async def tracked(service: EngineService, job: Job, arrival: float, prompt_text:
     except (asyncio.CancelledError, GeneratorExit):
         outcome = "aborted"
         raise
+    except APIError as error:  # this line is the request's one log line for it
+        error.logged = True
+        reason = f" error={error.status}:{printable(error.message)[:200]!r}"
+        raise
+    except Exception as error:
+        reason = f" error={type(error).__name__}"
+        raise
     finally:
         elapsed = time.perf_counter() - arrival
         metrics.requests.labels(method, outcome).inc()
@@ -59,9 +67,11 @@ async def tracked(service: EngineService, job: Job, arrival: float, prompt_text:
         if outcome == "ok":
             metrics.end_to_end_latency.labels(method).observe(elapsed)
         ttft = f"{first - arrival:.2f}s" if first is not None else "-"
-        logger.info("%s %s settings=%s prompt=%d completion=%d ttft=%s e2e=%.2fs finish=%s%s", job.request_id, outcome,
-                    json.dumps(job.settings.canonical(), separators=(",", ":")), len(job.prompt_ids), generated,
-                    ttft, elapsed, finish or "-", f" prompt_text={prompt_text!r}" if prompt_text is not None else "")
+        logger.log(logging.WARNING if outcome == "error" else logging.INFO,
+                   "%s %s settings=%s prompt=%d completion=%d ttft=%s e2e=%.2fs finish=%s%s%s", job.request_id,
+                   outcome, json.dumps(job.settings.canonical(), separators=(",", ":")), len(job.prompt_ids),
+                   generated, ttft, elapsed, finish or "-", reason,
+                   f" prompt_text={prompt_text!r}" if prompt_text is not None else "")
 
 
 async def merged(service: EngineService, jobs: list[Job], arrival: float,
@@ -102,7 +112,7 @@ async def merged(service: EngineService, jobs: list[Job], arrival: float,
 
 async def unless_disconnected(request: Request, work: Awaitable[T], poll: float = 0.25) -> T:
     """Await ``work``; if the client disconnects first, cancel it (which aborts its engine
-    requests) and raise CancelledError."""
+    requests) and raise :class:`ClientDisconnected`."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -112,7 +122,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll: float 
             if await request.is_disconnected():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected()
     finally:
         if not task.done():
             task.cancel()
@@ -124,8 +134,16 @@ def sse_event(data: dict[str, Any] | str, raw: bool = False) -> str:
 
 
 async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    async for event in events:
-        yield event
+    """The events, then ``[DONE]``; an error after the 200 went out travels as an error event
+    (the OpenAI body), and the stream still ends with ``[DONE]``."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as error:
+        yield sse_event(error.body())
+    except Exception as error:
+        logger.exception("internal error in a stream")
+        yield sse_event(error_body(500, f"internal error: {type(error).__name__}"))
     yield "data: [DONE]\n\n"
 
 

@@ -36,6 +36,11 @@ class Metrics:
                                registry=r)
         self.kv_cache_usage = Gauge("rope_extend_kv_cache_usage_perc", "Fraction of KV-cache blocks in use", registry=r)
 
+    def engine_gone(self) -> None:
+        """The engine died: nothing runs, waits or holds cache any more (its last report would stay)."""
+        for gauge in (self.running, self.waiting, self.kv_cache_usage):
+            gauge.set(0)
+
     def stat_logger_factory(self):
         """A vLLM ``StatLoggerFactory`` feeding this registry's engine gauges."""
         metrics = self

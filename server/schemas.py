@@ -9,9 +9,34 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+
+from rope_plugins.settings import MAX_LEAKY_K, MAX_POSITIONS, METHODS
+
+# Bounds on what a request may ask for. Integers that reach the engine stay inside its int32
+# / int64 fields; lists and strings are bounded so that validation itself stays cheap.
+MAX_INT32 = 2**31 - 1
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024
+MAX_NAME_CHARS = 256
+
+
+def valid_unicode(text: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``): no tokenizer, log or response
+    can encode it, so it is refused here, naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {error.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(valid_unicode)]
+StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 class ContextExtension(BaseModel):
@@ -21,43 +46,53 @@ class ContextExtension(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # typed and range-checked in one place, ExtensionSettings (strict: log_n must be a bool)
-    method: Any = None
-    factor: Any = None
-    window: Any = None
-    leaky_k: Any = None
-    beta: Any = None
-    log_n: Any = None
-    train_length: Any = None
+    # typed and range-checked in one place, ExtensionSettings (strict: log_n must be a bool);
+    # the schema documents what it accepts
+    method: Annotated[Any, WithJsonSchema({"enum": ["auto", *METHODS]})] = None
+    factor: Annotated[Any, WithJsonSchema({"type": "number", "minimum": 1, "maximum": 1024})] = None
+    window: Annotated[Any, WithJsonSchema({"type": "integer", "minimum": 1, "maximum": MAX_POSITIONS,
+                                           "description": "smaller than train_length"})] = None
+    leaky_k: Annotated[Any, WithJsonSchema({"type": "number", "minimum": 1, "maximum": MAX_LEAKY_K})] = None
+    beta: Annotated[Any, WithJsonSchema({"type": "number", "minimum": 0, "maximum": 1})] = None
+    log_n: Annotated[Any, WithJsonSchema({"type": "boolean"})] = None
+    train_length: Annotated[Any, WithJsonSchema({
+        "type": "integer", "minimum": 2, "maximum": MAX_POSITIONS,
+        "description": "at most the longer of the served context and the checkpoint's training length"})] = None
 
     def fields(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
 
 
+# Requests are validated strictly (1.0 is not an integer, 0 is not false), as the schema says.
+REQUEST_CONFIG = ConfigDict(strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = REQUEST_CONFIG
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="ignore")
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
+    model: Name
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopSequence | list[StopSequence] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the engine's int64
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    user: Name | None = None
     # vLLM's extensions, handy for benchmarks
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     context_extension: ContextExtension | None = None
 
     def stop_list(self) -> list[str]:
@@ -66,27 +101,42 @@ class SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class TextPart(BaseModel):
+    """A content part; this server's models read text only."""
+
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="allow")
+
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A non-text part gets its own message (the union's errors would say 'not a string')."""
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"part {index} has type {str(kind)[:40]!r}; this model reads text parts only")
+        return content
 
     def text(self) -> str:
-        """Text content; content parts of type 'text' are joined (this model reads text only)."""
+        """Text content; the text parts joined."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -98,10 +148,23 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # the OpenAI default for completions
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)  # the OpenAI default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """One clear message for a malformed prompt (the union's would list every branch)."""
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("must be a string, a non-empty list of strings, a list of token ids, "
+                             "or a list of lists of token ids")
+        if all(isinstance(item, list) for item in prompt) and not all(prompt):
+            raise ValueError("a token-id prompt is empty")
+        return prompt
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -114,10 +177,10 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Name | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
@@ -241,6 +304,11 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "unavailable"]
+    detail: str
 
 
 class ErrorBody(BaseModel):

@@ -5,20 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from ..dependencies import ready_service, require_api_key
 from ..engine import Admission, EngineService, Job
-from ..errors import APIError, bad_request
+from ..errors import STREAMED_RESPONSES
 from ..generation import merged, respond, sse_event
 from ..schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                       ChatCompletionRequest, ChoiceLogprobs, DeltaMessage, ErrorResponse, TokenLogprob, TopLogprob,
+                       ChatCompletionRequest, ChoiceLogprobs, DeltaMessage, TokenLogprob, TopLogprob,
                        Usage, new_id)
 
 router = APIRouter(tags=["chat"], dependencies=[Depends(require_api_key)])
-ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 429, 503)}
 
 
 def token_logprobs(positions, token_ids, top: int) -> list[TokenLogprob]:
@@ -35,20 +33,18 @@ def token_logprobs(positions, token_ids, top: int) -> list[TokenLogprob]:
     return entries
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            service: EngineService = Depends(ready_service)):
     arrival = time.perf_counter()
     service.check_model(body.model)
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    except ValueError as error:
-        raise bad_request(f"messages: {error}", param="messages") from None
-    prompt_ids = await asyncio.to_thread(service.chat_prompt, messages)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     top = body.top_logprobs or 0
-    jobs = service.build_jobs([prompt_ids], body, new_id("chatcmpl"), prompt_param="messages",
-                              logprobs=top if body.logprobs else None)
-    admission = service.admit(1)
+    admission = service.admit(body.n, param="n")
+    with admission.released_on_error():
+        prompt_ids = await asyncio.to_thread(service.chat_prompt, messages)
+        jobs = service.build_jobs([prompt_ids], body, new_id("chatcmpl"), prompt_param="messages",
+                                  logprobs=top if body.logprobs else None, logprobs_param="top_logprobs")
     texts = [messages[-1]["content"] if service.config.log_prompts else None]
     return await respond(request, jobs, admission, body.stream,
                          lambda: stream_chat(service, body, jobs, arrival, texts, top, admission),
@@ -102,7 +98,5 @@ async def stream_chat(service: EngineService, body: ChatCompletionRequest, jobs:
             prompt_tokens = len(jobs[0].prompt_ids)
             yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
                                   total_tokens=prompt_tokens + generated))
-    except APIError as error:  # after the 200 went out: the error travels in the stream
-        yield sse_event(error.response().body.decode(), raw=True)
     finally:
         admission.release()

@@ -13,10 +13,9 @@ from fastapi import APIRouter, Depends, Request
 
 from ..dependencies import ready_service, require_api_key
 from ..engine import Admission, EngineService, Job
-from ..errors import APIError
+from ..errors import STREAMED_RESPONSES
 from ..generation import merged, respond, sse_event
 from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage, new_id
-from .chat import ERRORS
 
 router = APIRouter(tags=["completions"], dependencies=[Depends(require_api_key)])
 
@@ -42,15 +41,16 @@ def append_logprobs(target: CompletionLogprobs, positions, token_ids, offset: in
     return offset
 
 
-@router.post("/v1/completions", response_model=Completion, responses=ERRORS)
+@router.post("/v1/completions", response_model=Completion, responses=STREAMED_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, service: EngineService = Depends(ready_service)):
     arrival = time.perf_counter()
     service.check_model(body.model)
     prompts = body.prompts()
-    token_prompts = [p if isinstance(p, list) else await asyncio.to_thread(service.encode_text, p) for p in prompts]
-    jobs = service.build_jobs(token_prompts, body, new_id("cmpl"), prompt_param="prompt", logprobs=body.logprobs,
-                              prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
-    admission = service.admit(len(jobs))
+    admission = service.admit(len(prompts) * body.n, param="n" if body.n > 1 else "prompt")
+    with admission.released_on_error():
+        token_prompts = [p if isinstance(p, list) else await asyncio.to_thread(service.encode_text, p) for p in prompts]
+        jobs = service.build_jobs(token_prompts, body, new_id("cmpl"), prompt_param="prompt", logprobs=body.logprobs,
+                                  prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     texts = [p if isinstance(p, str) else None for p in prompts] if service.config.log_prompts else [None] * len(jobs)
     return await respond(request, jobs, admission, body.stream,
                          lambda: stream_completion(service, body, jobs, prompts, arrival, texts, admission),
@@ -123,7 +123,5 @@ async def stream_completion(service: EngineService, body: CompletionRequest, job
             prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
             yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
                                   total_tokens=prompt_tokens + generated))
-    except APIError as error:
-        yield sse_event(error.response().body.decode(), raw=True)
     finally:
         admission.release()

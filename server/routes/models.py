@@ -6,12 +6,13 @@ from fastapi import APIRouter, Depends
 
 from ..dependencies import ready_service, require_api_key
 from ..engine import EngineService
+from ..errors import ERROR_RESPONSES
 from ..schemas import ModelCard, ModelList
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(service: EngineService = Depends(ready_service)) -> ModelList:
     return ModelList(data=[ModelCard(
         id=service.model_name, created=service.created, root=service.model_path,

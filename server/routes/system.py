@@ -11,17 +11,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..dependencies import get_service, ready_service, require_api_key
 from ..engine import EngineService
-from ..schemas import TokenizeRequest, TokenizeResponse
+from ..errors import ERROR_RESPONSES
+from ..schemas import HealthStatus, TokenizeRequest, TokenizeResponse
 
 router = APIRouter(tags=["system"])
 
 
-@router.get("/health")
+@router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
 async def health(service: EngineService = Depends(get_service)) -> JSONResponse:
-    """200 when the engine serves; 503 while it starts, after it died, or while stopping."""
+    """200 when the engine serves; 503 while it starts, after it failed (the process then
+    exits), or while stopping."""
     healthy, reason = service.health()
-    return JSONResponse({"status": "ok" if healthy else "unavailable", "detail": reason},
-                        status_code=200 if healthy else 503)
+    body = HealthStatus(status="ok" if healthy else "unavailable", detail=reason)
+    return JSONResponse(body.model_dump(), status_code=200 if healthy else 503)
 
 
 @router.get("/version")
@@ -38,17 +40,23 @@ def _installed(name: str) -> bool:
         return False
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
 async def metrics(service: EngineService = Depends(get_service)) -> Response:
     return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, dependencies=[Depends(require_api_key)])
+@router.post("/tokenize", response_model=TokenizeResponse, dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, service: EngineService = Depends(ready_service)) -> TokenizeResponse:
     if body.model is not None:
         service.check_model(body.model)
-    if body.messages is not None:
-        tokens = await asyncio.to_thread(service.chat_prompt, [{"role": m.role, "content": m.text()} for m in body.messages])
-    else:
-        tokens = await asyncio.to_thread(service.encode_text, body.prompt, body.add_special_tokens)
+    admission = service.admit(1, param="prompt")  # tokenizing a long text costs CPU like a request
+    try:
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = await asyncio.to_thread(service.chat_prompt, messages)
+        else:
+            tokens = await asyncio.to_thread(service.encode_text, body.prompt, body.add_special_tokens)
+    finally:
+        admission.release()
     return TokenizeResponse(count=len(tokens), max_model_len=service.config.max_model_len, tokens=tokens)
