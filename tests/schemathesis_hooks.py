@@ -8,18 +8,21 @@ import os
 
 import schemathesis
 
+from server.schemas import MAX_INT32, MAX_NAME_CHARS
+
 MODEL = os.environ.get("FUZZ_MODEL", "SmolLM2-135M-Instruct")
 MAX_TOKENS = 4
 
 
 @schemathesis.hook
 def map_body(context, body):
+    """Only values the schema allows are replaced: a negative case must stay invalid."""
     if not isinstance(body, dict):
         return body
-    if isinstance(body.get("model"), str):
+    if isinstance(body.get("model"), str) and len(body["model"]) <= MAX_NAME_CHARS:
         body["model"] = MODEL
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
-        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS):
+        if value is None or (type(value) is int and MAX_TOKENS < value <= MAX_INT32):
             body[name] = MAX_TOKENS
     return body

@@ -1,0 +1,264 @@
+"""Hostile input against the real server (real engine, real default model, real HTTP on
+loopback): a table of hand-made bad requests, a schemathesis fuzz from the server's own
+OpenAPI schema, a client that hangs up, and an engine killed under load.
+
+Every bad request must get its 4xx with the OpenAI error body naming the field, write one log
+line and no traceback, leave the client's keep-alive connection usable (a good request follows
+on the same socket), and leave the engine serving.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_server import API_KEY, MODEL, assert_error_body, metric_value, start_server
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVED = 512  # --max-model-len: a small context keeps every fuzzed generation short
+CAPACITY = 8  # --max-num-seqs 4 + --max-waiting 4
+MAX_BODY = 1 << 20
+MAX_LOGPROB_ENTRIES = 5000
+LONGEST_TOKEN_CHARS = 81  # SmolLM2's longest vocabulary entry
+CHAT, COMPLETIONS, TOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("robust") / "server.log", "--max-model-len", str(SERVED),
+                          "--max-num-seqs", "4", "--max-waiting", "4", "--max-request-bytes", str(MAX_BODY),
+                          "--max-logprob-entries", str(MAX_LOGPROB_ENTRIES))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """One keep-alive connection for the whole table."""
+    with httpx.Client(base_url=server.base, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+def chat_body(**fields):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+def completion_body(**fields):
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **fields}
+
+
+def user(content):
+    return [{"role": "user", "content": content}]
+
+
+INF, NAN = math.inf, math.nan
+# (case, route, body: JSON-able, or bytes sent as they are; status; param)
+BAD_REQUESTS = [
+    ("settings that killed the engine", CHAT,
+     chat_body(context_extension={"method": "rerope", "train_length": 2**64 - 1, "window": 2**63}),
+     400, "context_extension.train_length"),
+    ("window past int64", CHAT, chat_body(context_extension={"method": "rerope", "window": 2**63}),
+     400, "context_extension.window"),
+    ("train_length past what is served", CHAT, chat_body(context_extension={"method": "yarn", "train_length": 100_000}),
+     400, "context_extension.train_length"),
+    ("leaky_k Infinity", CHAT, chat_body(context_extension={"method": "leaky_rerope", "leaky_k": INF}),
+     400, "context_extension.leaky_k"),
+    ("leaky_k Infinity, streamed", CHAT,
+     chat_body(stream=True, context_extension={"method": "leaky_rerope", "leaky_k": INF}), 400, "context_extension.leaky_k"),
+    ("factor NaN", COMPLETIONS, completion_body(context_extension={"method": "ntk_mixed", "factor": NAN}),
+     400, "context_extension.factor"),
+    ("window as a string", COMPLETIONS, completion_body(context_extension={"method": "rerope", "window": "64"}),
+     400, "context_extension.window"),
+    ("settings not an object", COMPLETIONS, completion_body(context_extension="rerope"), 400, "context_extension"),
+    ("a 100k-character method", COMPLETIONS, completion_body(context_extension={"method": "x" * 100_000}),
+     400, "context_extension.method"),
+    ("unknown settings field", COMPLETIONS, completion_body(context_extension={"colour": 1}),
+     400, "context_extension.colour"),
+    ("empty stop string", CHAT, chat_body(stop=[""]), 400, "stop.0"),
+    ("17 stop strings", COMPLETIONS, completion_body(stop=["a"] * 17), 400, "stop"),
+    ("2000-character stop", COMPLETIONS, completion_body(stop="x" * 2000), 400, "stop"),
+    ("n 2 with greedy sampling", CHAT, chat_body(n=2, temperature=0), 400, "n"),
+    ("min_tokens over max_tokens", COMPLETIONS, completion_body(min_tokens=10), 400, "min_tokens"),
+    ("min_tokens over the default max_tokens", CHAT, chat_body(max_tokens=None, min_tokens=SERVED), 400, "min_tokens"),
+    ("empty prompt list", COMPLETIONS, completion_body(prompt=[]), 400, "prompt"),
+    ("empty token-id prompt", COMPLETIONS, completion_body(prompt=[[]]), 400, "prompt"),
+    ("negative token id", COMPLETIONS, completion_body(prompt=[1, -1]), 400, "prompt.1"),
+    ("token id past the vocabulary", COMPLETIONS, completion_body(prompt=[1, 10**6]), 400, "prompt"),
+    ("token id past int64", COMPLETIONS, completion_body(prompt=[2**70]), 400, "prompt.0"),
+    ("false as a token id", COMPLETIONS, completion_body(prompt=[[False]]), 400, "prompt"),
+    ("lone surrogate in chat content", CHAT, chat_body(messages=user("A\ud800B")), 400, "messages.0.content"),
+    ("lone surrogate in a prompt", COMPLETIONS, completion_body(prompt="A\ud800B"), 400, "prompt"),
+    ("lone surrogate in the model", COMPLETIONS, completion_body(model="\udfff"), 400, "model"),
+    ("lone surrogate in a stop", COMPLETIONS, completion_body(stop=["\ud800"]), 400, "stop.0"),
+    ("image part", CHAT, chat_body(messages=user([{"type": "image_url", "image_url": {"url": "x"}}])),
+     400, "messages.0.content"),
+    ("text part without text", CHAT, chat_body(messages=user([{"type": "text"}])), 400, "messages.0.content.0.text"),
+    ("/tokenize with an audio part", TOKENIZE, {"messages": user([{"type": "input_audio"}])}, 400, "messages.0.content"),
+    ("/tokenize with a lone surrogate", TOKENIZE, {"prompt": "\udfff"}, 400, "prompt"),
+    ("/tokenize with prompt and messages", TOKENIZE, {"prompt": "a", "messages": user("a")}, 400, None),
+    ("/tokenize with a text too long to tokenize", TOKENIZE, {"prompt": "a" * (SERVED * LONGEST_TOKEN_CHARS + 1)},
+     400, "prompt"),
+    ("seed past int64", COMPLETIONS, completion_body(seed=2**63), 400, "seed"),
+    ("seed below int64", COMPLETIONS, completion_body(seed=-(2**63) - 1), 400, "seed"),
+    ("temperature NaN", COMPLETIONS, completion_body(temperature=NAN), 400, "temperature"),
+    ("top_p -Infinity", COMPLETIONS, completion_body(top_p=-INF), 400, "top_p"),
+    ("max_tokens past int32", COMPLETIONS, completion_body(max_tokens=2**40), 400, "max_tokens"),
+    ("n as a float", COMPLETIONS, completion_body(n=2.0), 400, "n"),
+    ("stream as 0", COMPLETIONS, completion_body(stream=0), 400, "stream"),
+    ("n past the whole capacity", COMPLETIONS, completion_body(n=CAPACITY + 1, temperature=1.0), 400, "n"),
+    ("prompts x n past the whole capacity", COMPLETIONS, completion_body(prompt=["a"] * 3, n=3, temperature=1.0),
+     400, "n"),
+    ("more prompts than the whole capacity", COMPLETIONS, completion_body(prompt=["a"] * (CAPACITY + 1)), 400, "prompt"),
+    ("logprobs 21", COMPLETIONS, completion_body(logprobs=21), 400, "logprobs"),
+    ("max_tokens x logprobs past the limit", COMPLETIONS, completion_body(max_tokens=400, logprobs=20), 400, "logprobs"),
+    ("max_tokens x top_logprobs past the limit", CHAT, chat_body(max_tokens=300, logprobs=True, top_logprobs=20),
+     400, "top_logprobs"),
+    ("text too long to tokenize", COMPLETIONS, completion_body(prompt="a" * (SERVED * LONGEST_TOKEN_CHARS + 1)),
+     400, "prompt"),
+    ("chat text too long to tokenize", CHAT, chat_body(messages=user("a" * (SERVED * LONGEST_TOKEN_CHARS + 1))),
+     400, "messages"),
+    ("prompt longer than the served context", COMPLETIONS, completion_body(prompt="hello " * (SERVED + 10)),
+     400, "prompt"),
+    ("max_tokens past the served context", COMPLETIONS, completion_body(max_tokens=SERVED), 400, "max_tokens"),
+    ("unknown model", COMPLETIONS, completion_body(model="gpt-9"), 400, "model"),
+    ("300-character model", COMPLETIONS, completion_body(model="m" * 300), 400, "model"),
+    ("unknown role", CHAT, chat_body(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role"),
+    ("no messages", CHAT, chat_body(messages=[]), 400, "messages"),
+    ("include_usage as a string", CHAT, chat_body(stream_options={"include_usage": "yes"}),
+     400, "stream_options.include_usage"),
+    ("body is a list", COMPLETIONS, [1, 2], 400, None),
+    ("body is not JSON", COMPLETIONS, b"{not json", 400, None),
+    ("body is not UTF-8", COMPLETIONS, b'{"model": "\xff\xfe"}', 400, None),
+    ("body over the limit", COMPLETIONS, completion_body(prompt="a" * MAX_BODY), 413, None),
+]
+
+
+def send(http: httpx.Client, route: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()  # json.dumps writes NaN, Infinity, \ud800
+    return http.post(route, content=content, headers={"content-type": "application/json"})
+
+
+def local_port(response: httpx.Response) -> int:
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+@pytest.mark.parametrize("case, route, body, status, param", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_request_is_refused_naming_the_field_and_the_connection_and_engine_carry_on(
+        server, http, case, route, body, status, param):
+    log_before = server.log.read_text()
+    response = send(http, route, body)
+    error = assert_error_body(response, status, param)
+    assert len(error["message"]) <= 1100, "an error message must not echo a huge input"
+    if status == 400 and param:
+        assert param.split(".")[0] in error["message"]
+    # the same keep-alive connection serves a good request next, through the engine
+    good = http.post(COMPLETIONS, json=completion_body(prompt="Once upon a time", max_tokens=2))
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+    assert local_port(good) == local_port(response), "the server dropped the keep-alive connection"
+    # one log line for the failure (plus the good request's line), and no traceback
+    new_lines = server.log.read_text()[len(log_before):].splitlines()
+    failures = [line for line in new_lines if f"-> {status}" in line]
+    assert len(failures) == 1 and "Traceback" not in "\n".join(new_lines), new_lines
+    assert all(len(line) < 1000 for line in new_lines)
+
+
+def test_body_over_the_limit_without_a_length_is_a_413(server, http):
+    def chunks():
+        for _ in range(MAX_BODY // 65536 + 2):
+            yield b"a" * 65536
+
+    response = http.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in response.request.headers
+    assert_error_body(response, 413)
+    assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+def test_the_fuzzer_finds_no_5xx_and_the_schema_matches_the_answers(server, tmp_path):
+    """schemathesis from /openapi.json: bounded, seeded; every answer a documented status,
+    content type and body (OpenAI errors included), bad data refused, no 5xx."""
+    checks = ("not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
+              "negative_data_rejection")
+    command = [sys.executable, "-m", "schemathesis.cli", "run", f"{server.base}/openapi.json",
+               "-H", f"Authorization: Bearer {API_KEY}", "--checks", checks, "--max-examples", "40", "--seed", "16",
+               "--workers", "1", "--phases", "examples,coverage,fuzzing", "--request-timeout", "120", "--no-color",
+               "--generation-database", "none", "--report", "junit", "--report-dir", str(tmp_path)]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "FUZZ_MODEL": MODEL,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    summary = result.stdout[-4000:]
+    assert result.returncode == 0, summary + result.stderr[-2000:]
+    generated = int(re.search(r"(\d+) generated", summary).group(1))
+    assert generated >= 200, summary
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_a_client_that_hangs_up_a_plain_request_is_aborted_quietly(server):
+    aborted = metric_value(server, "rope_extend_requests_total", outcome="aborted")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base}{COMPLETIONS}", headers=AUTH, timeout=2,
+                   json=completion_body(prompt="Count to a thousand:", max_tokens=400, ignore_eos=True))
+    deadline = time.time() + 30
+    while metric_value(server, "rope_extend_requests_total", outcome="aborted") <= aborted and time.time() < deadline:
+        time.sleep(0.5)
+    assert metric_value(server, "rope_extend_requests_total", outcome="aborted") == aborted + 1
+    log = server.log.read_text()
+    assert "the client disconnected" in log and "Traceback" not in log
+
+
+# ---- a dead engine ---------------------------------------------------------------------------
+
+
+def test_a_killed_engine_fails_what_is_in_flight_then_the_server_exits_for_its_supervisor(tmp_path):
+    import psutil
+
+    server = start_server(tmp_path / "server.log", "--max-model-len", str(SERVED))
+    try:
+        long = completion_body(prompt="Count to a thousand:", max_tokens=SERVED - 16, ignore_eos=True)
+        answers: dict[str, object] = {}
+
+        def plain():
+            answers["plain"] = httpx.post(f"{server.base}{COMPLETIONS}", json=long, headers=AUTH, timeout=120)
+
+        def streamed():
+            with httpx.stream("POST", f"{server.base}{COMPLETIONS}", json={**long, "stream": True}, headers=AUTH,
+                              timeout=120) as response:
+                answers["stream_status"] = response.status_code
+                answers["events"] = [line for line in response.iter_lines() if line.startswith("data:")]
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for thread in threads:
+            thread.start()
+        time.sleep(3)  # both decoding
+        engines = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                   if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+        assert engines, "no engine-core process found"
+        for engine in engines:
+            engine.kill()
+        for thread in threads:
+            thread.join(120)
+        # the plain request: 503 in the OpenAI shape (it was a 500)
+        assert_error_body(answers["plain"], 503)
+        # the stream: its 200 went out; it ends with an error event, then [DONE]
+        events = answers["events"]
+        assert answers["stream_status"] == 200 and events[-1] == "data: [DONE]", events[-3:]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "engine_unavailable"
+        # then the process exits with its documented status, for a supervisor to restart it
+        assert server.process.wait(90) == 3
+        log = server.log.read_text()
+        assert "exiting with status 3" in log and log.count("-> 503") + log.count("error=503") >= 2
+    finally:
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGKILL)
