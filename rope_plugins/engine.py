@@ -28,11 +28,36 @@ FEW_CORES = 4
 RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
-def compute_on_every_core() -> None:
-    """Let the CPU worker's threads use every core on a small machine (vLLM reads this in the
-    engine process, which inherits the environment); a value the user set is kept."""
-    if len(os.sched_getaffinity(0)) <= FEW_CORES:
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+_binding_set_here: str | None = None  # what compute_on_every_core last wrote there
+
+
+def cpu_worker_cores(workers: int, cores: list[int]) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` CPU workers its own share of
+    ``cores`` ("0|1" for two workers on two cores); None when there is nothing to split."""
+    if workers <= 1 or len(cores) < workers:
+        return None
+    share = len(cores) // workers
+    return "|".join(",".join(str(core) for core in cores[rank * share:(rank + 1) * share]) for rank in range(workers))
+
+
+def compute_on_every_core(workers: int = 1) -> None:
+    """Let the CPU workers' threads use every core on a small machine, and give several workers
+    (tensor / pipeline parallelism) a share each: vLLM's automatic binding wants one NUMA node
+    per worker, which one-socket machines lack. vLLM reads both in the engine process, which
+    inherits the environment; values the user set are kept."""
+    global _binding_set_here
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= FEW_CORES:
         os.environ.setdefault(RESERVED_CORES_ENV, "0")
+    if os.environ.get(THREADS_BIND_ENV, _binding_set_here) != _binding_set_here:
+        return  # the user's own binding
+    binding = cpu_worker_cores(workers, cores)
+    if binding is None:  # an earlier engine's split would not fit this one
+        os.environ.pop(THREADS_BIND_ENV, None)
+    else:
+        os.environ[THREADS_BIND_ENV] = binding
+    _binding_set_here = binding
 
 
 def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
@@ -42,9 +67,11 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_mod
     ``defaults`` are the engine's extension settings (fields of ExtensionSettings), which
     requests override. Serving past the checkpoint's ``max_position_embeddings`` needs an
     extension method among the defaults. On a machine with few cores it also lets the
-    worker compute on all of them (:func:`compute_on_every_core`).
+    worker compute on all of them, and it splits the cores among several workers
+    (:func:`compute_on_every_core`, which sets vLLM's environment variables).
     """
-    compute_on_every_core()
+    workers = int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1)
+    compute_on_every_core(workers)
     train_length = checkpoint_train_length(model)
     settings = parse_settings(defaults, ExtensionSettings(train_length=train_length))
     served = max_model_len or train_length
