@@ -35,6 +35,48 @@ CHAT, COMPLETIONS, TOKENIZE = "/v1/chat/completions", "/v1/completions", "/token
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
+def test_the_schema_documents_what_the_routes_answer():
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    document = create_app(ServerConfig(), model="/models/SmolLM2-135M-Instruct").openapi()
+    for route in (CHAT, COMPLETIONS):
+        answers = document["paths"][route]["post"]["responses"]
+        assert {"application/json", "text/event-stream"} <= set(answers["200"]["content"])
+        assert {"400", "401", "413", "429", "503"} <= set(answers)
+    assert {"400", "429"} <= set(document["paths"][TOKENIZE]["post"]["responses"])
+    assert "503" in document["paths"]["/health"]["get"]["responses"]
+    assert all("422" not in operation["responses"] for path in document["paths"].values()
+               for operation in path.values())
+    model = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]
+    assert model["examples"] == ["SmolLM2-135M-Instruct"]
+
+
+def test_a_failed_engine_zeroes_its_gauges_and_stops_serving_once_nothing_is_in_flight():
+    """The watcher alone, on an app whose engine never started (no engine needed)."""
+    import asyncio
+
+    from server.app import create_app, stop_when_the_engine_fails
+    from server.config import ServerConfig
+
+    app = create_app(ServerConfig(), model="unused")
+    service, stopped = app.state.service, []
+    app.state.stop_serving = lambda: stopped.append(service.in_flight)
+    service.metrics.running.set(2)
+    service.in_flight = 1
+    service.state, service.failure = "failed", "engine died: test"
+
+    async def scenario():
+        watcher = asyncio.create_task(stop_when_the_engine_fails(app, poll=0.01))
+        await asyncio.sleep(0.2)
+        assert not stopped, "stopped while a request was still failing"
+        service.in_flight = 0
+        await asyncio.wait_for(watcher, 2)
+
+    asyncio.run(scenario())
+    assert stopped == [0] and service.metrics.running._value.get() == 0
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("robust") / "server.log", "--max-model-len", str(SERVED),
