@@ -42,10 +42,11 @@ RUN ./scripts/install.sh
 
 FROM ${BASE_IMAGE} AS runtime
 # vLLM's CPU backend compiles the model with torch.compile (inductor), which needs g++ at
-# run time; libgomp for OpenMP. Unpinned for the reason above.
+# run time; libgomp for OpenMP; libnuma1 for vLLM's CPU ops (vllm._C links libnuma.so.1:
+# without it the engine does not start). Unpinned for the reason above.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ libgomp1 \
+    && apt-get install -y --no-install-recommends g++ libgomp1 libnuma1 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 rope \
     && mkdir -p /models \

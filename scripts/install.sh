@@ -48,5 +48,7 @@ echo "install: vLLM ($FLAVOUR) and the project, this takes a few minutes the fir
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, transformers, vllm; print('install: torch', torch.__version__, '| vllm', vllm.__version__)"
 echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"
-"$VENV/bin/python" -m rope_plugins.native
+# torch builds it with ninja, which vLLM installs into the venv: put that on PATH, for a
+# machine (or an image) with no ninja of its own and the venv not activated.
+PATH="$(cd "$VENV" && pwd)/bin:$PATH" "$VENV/bin/python" -m rope_plugins.native
 echo "$want" > "$stamp"
