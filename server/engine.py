@@ -179,7 +179,8 @@ class EngineService:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as error:  # a template that refuses the conversation (e.g. role order)
             raise bad_request(f"messages: the chat template refused them: {error}", param="messages") from None
-        return self.encode_text(text, add_special_tokens=False)
+        # the template adds text per message: many short messages are checked once rendered
+        return self.encode_text(text, add_special_tokens=False, param="messages")
 
     def resolve_settings(self, fields: dict[str, Any], prompt_tokens: int, max_tokens: int) -> ExtensionSettings:
         """The request's settings: server defaults overridden by ``fields``; ``auto`` becomes

@@ -171,6 +171,8 @@ BAD_REQUESTS = [
      400, "prompt"),
     ("chat text too long to tokenize", CHAT, chat_body(messages=user("a" * (SERVED * LONGEST_TOKEN_CHARS + 1))),
      400, "messages"),
+    ("many short messages whose template is too long to tokenize", CHAT,
+     chat_body(messages=user("a") * (SERVED * LONGEST_TOKEN_CHARS // 20)), 400, "messages"),
     ("prompt longer than the served context", COMPLETIONS, completion_body(prompt="hello " * (SERVED + 10)),
      400, "prompt"),
     ("max_tokens past the served context", COMPLETIONS, completion_body(max_tokens=SERVED), 400, "max_tokens"),
