@@ -24,6 +24,8 @@
 #                      $SSL_CERT_FILE if set; none otherwise)
 #   --wheels DIR       a local wheel directory for pip (pip's find-links; default:
 #                      $PIP_FIND_LINKS or `pip config get global.find-links` if set)
+#   --no-cache         rebuild every layer (default: reuse buildah's cached layers, kept as
+#                      unnamed images; `buildah rmi --prune` frees them)
 #   --no-run           build only
 #   --health-timeout S seconds to wait for /health (default 1800)
 #   --result FILE      where the JSON goes (default deploy/image_result.json)
@@ -45,6 +47,7 @@ CONTEXT=""
 CA_BUNDLE="${PIP_CERT:-${SSL_CERT_FILE:-}}"
 WHEELS="${PIP_FIND_LINKS:-}"
 RUN=1
+CACHE=""
 HEALTH_TIMEOUT=1800
 RESULT="$ROOT/deploy/image_result.json"
 LOGS="/tmp/rope-image-logs"
@@ -59,6 +62,7 @@ while (($#)); do
         --ca-bundle) CA_BUNDLE="$2"; shift 2 ;;
         --wheels) WHEELS="$2"; shift 2 ;;
         --no-run) RUN=0; shift ;;
+        --no-cache) CACHE="--no-cache"; shift ;;
         --health-timeout) HEALTH_TIMEOUT="$2"; shift 2 ;;
         --result) RESULT="$2"; shift 2 ;;
         --logs) LOGS="$2"; shift 2 ;;
@@ -142,7 +146,7 @@ else
         "deb http://deb.debian.org/debian-security bookworm-security main"
     podman import --quiet --change 'CMD ["/bin/bash"]' "$WORK/rootfs.tar" "$BASE" >/dev/null
     rm -f "$WORK/rootfs.tar"
-    log "base image $BASE: $(podman image inspect --format '{{.Size}}' "$BASE" | numfmt --to=iec)B"
+    log "base image $BASE: $(podman image inspect --format '{{.Size}}' "$BASE") bytes"
 fi
 
 # -- 2. the image -----------------------------------------------------------------------------
@@ -159,7 +163,7 @@ fi
 log "building $TAG (buildah bud --isolation chroot; the first build installs vLLM: minutes)"
 build_start=$(date +%s)
 set +e   # the full log goes to $LOGS/build.log; the steps and the install's own lines to the terminal
-buildah bud --isolation chroot --layers \
+buildah bud --isolation chroot --layers ${CACHE:+"$CACHE"} \
     --build-arg BASE_IMAGE="$BASE" \
     --build-arg PIP_CONFIG_FILE=/mnt/build.conf \
     "${build_volumes[@]}" \
@@ -171,7 +175,8 @@ set -e
 build_seconds=$(($(date +%s) - build_start))
 IMAGE_ID="$(podman image inspect --format '{{.Id}}' "$TAG")"
 IMAGE_SIZE="$(podman image inspect --format '{{.Size}}' "$TAG")"
-log "built $TAG in ${build_seconds}s: id ${IMAGE_ID:0:12}, $(numfmt --to=iec "$IMAGE_SIZE")B"
+gb() { awk -v b="$1" 'BEGIN { printf "%.2f GB", b / 1e9 }'; }   # as `podman images` shows it
+log "built $TAG in ${build_seconds}s: id ${IMAGE_ID:0:12}, $(gb "$IMAGE_SIZE")"
 
 write_result() {
     python3 - "$RESULT" "$@" <<'EOF'
@@ -188,8 +193,8 @@ print(json.dumps(result, indent=2))
 EOF
 }
 common=(date="$(date -u +%Y-%m-%dT%H:%M:%SZ)" commit="$COMMIT" base_image="$BASE" image="$TAG"
-        image_id="$IMAGE_ID" image_size_bytes="$IMAGE_SIZE" image_size="$(numfmt --to=iec "$IMAGE_SIZE")B"
-        build_seconds="$build_seconds" buildah="$(buildah --version | awk '{print $3}')")
+        image_id="$IMAGE_ID" image_size_bytes="$IMAGE_SIZE" image_size="$(gb "$IMAGE_SIZE")"
+        build_seconds="$build_seconds" build_cache="$([[ -n "$CACHE" ]] && echo none || echo "buildah's layers")" buildah="$(buildah --version | awk '{print $3}')")
 if ((!RUN)); then
     write_result "${common[@]}"
     exit 0
