@@ -54,9 +54,9 @@ async def tokenize(body: TokenizeRequest, service: EngineService = Depends(ready
     try:
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = await asyncio.to_thread(service.chat_prompt, messages)
+            tokens = await asyncio.to_thread(service.chat_prompt, messages, False)
         else:
-            tokens = await asyncio.to_thread(service.encode_text, body.prompt, body.add_special_tokens)
+            tokens = await asyncio.to_thread(service.encode_text, body.prompt, body.add_special_tokens, None)
     finally:
         admission.release()
     return TokenizeResponse(count=len(tokens), max_model_len=service.config.max_model_len, tokens=tokens)
