@@ -1,0 +1,102 @@
+"""Fuzz the HTTP API from its own OpenAPI schema with schemathesis, against the real server.
+
+    .venv/bin/python bench/fuzz.py                     # 500 examples per operation, seed 0
+    .venv/bin/python bench/fuzz.py --examples 2000 --seed 7
+
+Starts ``python -m server`` on the real default model with small limits (a 512-token context,
+4 running + 4 waiting sequences), so that every generated request that reaches the engine
+ends in seconds, then runs schemathesis (examples, coverage and fuzzing phases; positive and
+negative data) with the checks: no 5xx, every status, content type and body as documented,
+schema-violating data refused. Generated bodies name the served model and ask for 4 tokens
+at most (bench/fuzz_hooks.py) where the schema allows it. Writes bench/results/fuzz.json:
+the requests sent, schemathesis' failures, the server's answers by status (from its log),
+tracebacks in the log, and whether the engine still served at the end.
+``tests/test_server_robustness.py`` runs the same with a small budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MODEL = "SmolLM2-135M-Instruct"
+SERVER_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-waiting", "4",
+                "--max-request-bytes", str(1 << 20), "--max-logprob-entries", "5000"]
+CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
+          "negative_data_rejection")
+
+
+def schemathesis_run(base: str, api_key: str, *, examples: int, seed: int, report_dir: Path,
+                     timeout: float = 3600) -> subprocess.CompletedProcess:
+    """One schemathesis run against ``base``; its output says what failed."""
+    command = [sys.executable, "-m", "schemathesis.cli", "run", f"{base}/openapi.json",
+               "-H", f"Authorization: Bearer {api_key}", "--checks", CHECKS, "--max-examples", str(examples),
+               "--seed", str(seed), "--workers", "1", "--phases", "examples,coverage,fuzzing",
+               "--request-timeout", "120", "--no-color", "--generation-database", "none",
+               "--report", "junit", "--report-dir", str(report_dir)]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "FUZZ_MODEL": MODEL,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT)])}
+    return subprocess.run(command, cwd=report_dir, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def generated_count(output: str) -> int:
+    found = re.search(r"(\d+) generated", output)
+    return int(found.group(1)) if found else 0
+
+
+def answers_by_status(log: str) -> dict[str, int]:
+    """The server's answers from its log: '-> 400 code' lines for refusals, the per-request
+    line's outcome for what reached the engine."""
+    counts: Counter[str] = Counter(f"{status} {code}" for status, code in re.findall(r"-> (\d{3}) ([\w ]+?):", log))
+    counts.update(f"engine {outcome}" for outcome in re.findall(r"-\d+ (ok|error|aborted) settings=", log))
+    return dict(counts.most_common())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=500, help="schemathesis examples per operation")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "fuzz.json")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    import httpx
+
+    from server.launcher import running_server
+
+    api_key = "fuzz-key"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    work = args.out.with_name(args.out.stem + "_work")
+    work.mkdir(exist_ok=True)
+    log_path = work / "server.log"
+    with running_server(SERVER_FLAGS, log_path, env={"ROPE_EXTEND_API_KEY": api_key}) as server:
+        print(f"fuzzing {server.base} with {args.examples} examples per operation (seed {args.seed}) ...", flush=True)
+        result = schemathesis_run(server.base, api_key, examples=args.examples, seed=args.seed, report_dir=work)
+        healthy = httpx.get(f"{server.base}/health").status_code == 200
+    log = log_path.read_text()
+    summary = result.stdout[-3000:]
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "server_flags": SERVER_FLAGS, "examples_per_operation": args.examples, "seed": args.seed, "checks": CHECKS,
+        "requests_generated": generated_count(result.stdout), "schemathesis_passed": result.returncode == 0,
+        "server_errors_5xx": sum(n for key, n in answers_by_status(log).items() if key.startswith("5")),
+        "answers_by_status": answers_by_status(log), "tracebacks_in_log": log.count("Traceback"),
+        "log_bytes": len(log), "healthy_at_end": healthy, "schemathesis_summary": summary,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(summary)
+    print(f"{report['requests_generated']} requests, {report['server_errors_5xx']} answered 5xx, "
+          f"{report['tracebacks_in_log']} tracebacks; wrote {args.out}")
+    return 0 if report["schemathesis_passed"] and healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
