@@ -26,12 +26,13 @@ ENV VLLM_FLAVOUR=${VLLM_FLAVOUR} \
     INSTALL_DEV=0 \
     PIP_NO_CACHE_DIR=1 \
     DEBIAN_FRONTEND=noninteractive
-# g++ builds the C++ decode kernel; make runs the install target. Packages come unpinned from
+# g++ builds the C++ decode kernel; make runs the install target; libnuma1 lets the install check
+# that vLLM's CPU ops load. Packages come unpinned from
 # the base image's Debian release (DL3008): exact versions vanish from the archive at each
 # point release, and the base image tag already fixes the release.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ make \
+    && apt-get install -y --no-install-recommends g++ make libnuma1 \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml Makefile README.md ./

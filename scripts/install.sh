@@ -47,6 +47,13 @@ echo "install: vLLM ($FLAVOUR) and the project, this takes a few minutes the fir
 "${pip[@]}" install --progress-bar off ${index[@]+"${index[@]}"} -e ".[$EXTRAS]"
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, transformers, vllm; print('install: torch', torch.__version__, '| vllm', vllm.__version__)"
+if [[ "$FLAVOUR" == "cpu" ]]; then
+    # vLLM's CPU ops link system libraries (libnuma): load them now rather than fail at the engine's start
+    "$VENV/bin/python" -c "import torch, vllm._C" || {
+        echo "install: vLLM's CPU ops (vllm._C) do not load; is libnuma installed? (Debian: apt-get install libnuma1)" >&2
+        exit 1
+    }
+fi
 echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"
 # torch builds it with ninja, which vLLM installs into the venv: put that on PATH, for a
 # machine (or an image) with no ninja of its own and the venv not activated.

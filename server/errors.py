@@ -37,8 +37,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 413, 429, 500, 503)}
 STREAMED_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,
+    # one server-sent event (what an event-stream client reads: its data, its event type)
     200: {"content": {"text/event-stream": {"schema": {
-        "type": "string", "description": "with stream true: 'data: <chunk JSON>' events, then 'data: [DONE]'"}}}},
+        "type": "object", "required": ["data"],
+        "description": "with stream true, one event per chunk: data is the chunk as JSON (or an error body), "
+                       "and the last event's data is [DONE]",
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}},
 }
 # An error message quotes at most this much (of a field's value, of an exception's text).
 MESSAGE_LIMIT = 1000
