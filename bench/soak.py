@@ -64,15 +64,16 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from deploy import loadtest
+
     figure, (memory, gaps) = plt.subplots(1, 2, figsize=(11, 4.2))
     samples = report["rss"]
     memory.plot([s["t_s"] / 60 for s in samples], [s["rss_mib"] for s in samples])
     memory.set(xlabel="minutes", ylabel="MiB", title=f"RSS, server + engine ({report['rss_growth_mib_per_hour']:+.0f} "
                                                       "MiB/h over the second half)")
-    done = [r for r in report["load"]["requests"] if r["ok"]]
-    gaps.scatter([r["prompt_tokens"] for r in done], [r["tpot"] * 1000 if r["tpot"] else None for r in done], s=12)
-    gaps.set(xlabel="prompt tokens", ylabel="ms per output token",
-             title=f"time per output token (ITL p99 {report['load']['itl_s']['p99'] * 1000:.0f} ms)")
+    loadtest.draw_tpot(gaps, report["load"]["requests"])
+    gaps.set_title(f"time per output token (ITL p99 {report['load']['itl_s']['p99'] * 1000:.0f} ms)")
+    gaps.legend(fontsize=8)
     for axis in (memory, gaps):
         axis.grid(alpha=0.3)
     load = report["load"]

@@ -201,6 +201,16 @@ async def run(args) -> dict:
     }
 
 
+def draw_tpot(axis, requests: list[dict]) -> None:
+    """Time per output token against prompt length, one colour per method (the done requests)."""
+    done = [r for r in requests if r["ok"]]
+    for method in sorted({r["method"] for r in done}):
+        mine = [r for r in done if r["method"] == method]
+        axis.scatter([r["prompt_tokens"] for r in mine], [r["tpot"] * 1000 if r["tpot"] else None for r in mine],
+                     label=method)
+    axis.set(xlabel="prompt tokens", ylabel="ms per output token", title="time per output token")
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -212,10 +222,8 @@ def plot(report: dict, path: Path) -> None:
     for method in sorted({r["method"] for r in done}):
         mine = [r for r in done if r["method"] == method]
         ttft.scatter([r["prompt_tokens"] for r in mine], [r["ttft"] for r in mine], label=method)
-        e2e.scatter([r["prompt_tokens"] for r in mine], [r["tpot"] * 1000 if r["tpot"] else None for r in mine],
-                    label=method)
     ttft.set(xlabel="prompt tokens", ylabel="seconds", title="time to first token")
-    e2e.set(xlabel="prompt tokens", ylabel="ms per output token", title="time per output token")
+    draw_tpot(e2e, report["requests"])
     for axis in (ttft, e2e):
         axis.axvline(report["train_length"], color="grey", linestyle=":", label="training length")
         axis.grid(alpha=0.3)

@@ -111,8 +111,8 @@ ROW_VALUES_CACHE_SIZE = 1024
 
 
 @functools.lru_cache(maxsize=ROW_VALUES_CACHE_SIZE)
-def cached_row_values(key: str, settings: ExtensionSettings, head_dim: int, base: float) -> tuple:
-    """:func:`row_values`, once per distinct canonical settings (``key`` is their hash)."""
+def cached_row_values(settings: ExtensionSettings, head_dim: int, base: float) -> tuple:
+    """:func:`row_values`, once per distinct settings (frozen, so hashable)."""
     return row_values(settings, head_dim, base)
 
 
@@ -148,7 +148,7 @@ class RequestSettingsTracker(LogitsProcessor):
             raise VLLMValidationError(str(error), parameter=f"{EXTRA_ARGS_KEY}.{error.field}") from None
 
     def _values(self, settings: ExtensionSettings) -> tuple:
-        return cached_row_values(settings.canonical_hash(), settings, self.head_dim, self.base)
+        return cached_row_values(settings, self.head_dim, self.base)
 
     def resolve(self, params: SamplingParams) -> ExtensionSettings:
         try:

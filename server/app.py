@@ -39,8 +39,9 @@ async def stop_when_the_engine_fails(app: FastAPI, poll: float = 0.5) -> None:
     """Wait for the engine to fail (at start or later), let what was in flight fail, then stop
     serving so that the process exits with :data:`EXIT_ENGINE_FAILED`."""
     service: EngineService = app.state.service
-    while service.health()[0] or service.state in ("starting", "stopping"):
+    while service.state != "failed":
         await asyncio.sleep(poll)
+        service.health()  # notices an engine that died
         if service.state == "stopping":
             return
     logger.error("the engine failed (%s); failing the %d sequences in flight, then exiting with status %d so that "
@@ -63,10 +64,7 @@ def create_app(config: ServerConfig, model: str) -> FastAPI:
         if not starting.done():
             await asyncio.gather(starting, return_exceptions=True)
         watching.cancel()
-        failed = service.state == "failed"
         service.shutdown()
-        if failed:
-            service.state = "failed"
         logger.info("engine stopped; bye")
 
     app = FastAPI(title="rope-extend-server", version=version("rope-extend-server"), lifespan=lifespan,

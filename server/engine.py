@@ -31,8 +31,7 @@ from .schemas import SamplingFields
 logger = logging.getLogger(__name__)
 
 # vLLM's parameter names, as the API calls them
-API_PARAMS = {"extra_args": "context_extension", "prompt_token_ids": "prompt", "logprobs": "logprobs",
-              "prompt_logprobs": "logprobs"}
+API_PARAMS = {"extra_args": "context_extension", "prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
 
 
 @dataclass
@@ -134,7 +133,8 @@ class EngineService:
             logger.exception("the engine failed to start")
 
     def shutdown(self) -> None:
-        self.state = "stopping"
+        if self.state != "failed":  # a failed engine stays failed: the exit status says so
+            self.state = "stopping"
         if self.engine is not None:
             self.engine.shutdown()
 
@@ -178,13 +178,11 @@ class EngineService:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_prompt(self, messages: list[dict[str, str]], bounded: bool = True) -> list[int]:
-        if bounded:
-            self.check_text_length(sum(len(message["content"]) for message in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as error:  # a template that refuses the conversation (e.g. role order)
             raise bad_request(f"messages: the chat template refused them: {error}", param="messages") from None
-        # the template adds text per message: many short messages are checked once rendered
+        # checked once rendered: the template adds text per message, so many short ones count too
         return self.encode_text(text, add_special_tokens=False, param="messages" if bounded else None)
 
     def resolve_settings(self, fields: dict[str, Any], prompt_tokens: int, max_tokens: int) -> ExtensionSettings:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from rope_plugins.settings import MAX_LEAKY_K, MAX_POSITIONS, METHODS
+from rope_plugins.settings import METHODS, ExtensionSettings
 
 # Bounds on what a request may ask for. Integers that reach the engine stay inside its int32
 # / int64 fields; lists and strings are bounded so that validation itself stays cheap.
@@ -39,6 +39,17 @@ StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), Af
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
+_SETTINGS_SCHEMA = ExtensionSettings.model_json_schema()["properties"]
+
+
+def settings_field_schema(name: str, **extra: Any) -> WithJsonSchema:
+    """A settings field documented as ExtensionSettings accepts it: its bounds stated once, there
+    (the default is the server's, so it is left out)."""
+    schema = _SETTINGS_SCHEMA[name]
+    schema = next((branch for branch in schema.get("anyOf", []) if branch.get("type") != "null"), schema)
+    return WithJsonSchema({key: value for key, value in schema.items() if key not in ("default", "title")} | extra)
+
+
 class ContextExtension(BaseModel):
     """Per-request RoPE extension (the ``context_extension`` body field; ``extra_body`` in the
     OpenAI clients). Unset fields take the server's defaults; checked fully by
@@ -49,15 +60,13 @@ class ContextExtension(BaseModel):
     # typed and range-checked in one place, ExtensionSettings (strict: log_n must be a bool);
     # the schema documents what it accepts
     method: Annotated[Any, WithJsonSchema({"enum": ["auto", *METHODS]})] = None
-    factor: Annotated[Any, WithJsonSchema({"type": "number", "minimum": 1, "maximum": 1024})] = None
-    window: Annotated[Any, WithJsonSchema({"type": "integer", "minimum": 1, "maximum": MAX_POSITIONS,
-                                           "description": "smaller than train_length"})] = None
-    leaky_k: Annotated[Any, WithJsonSchema({"type": "number", "minimum": 1, "maximum": MAX_LEAKY_K})] = None
-    beta: Annotated[Any, WithJsonSchema({"type": "number", "minimum": 0, "maximum": 1})] = None
-    log_n: Annotated[Any, WithJsonSchema({"type": "boolean"})] = None
-    train_length: Annotated[Any, WithJsonSchema({
-        "type": "integer", "minimum": 2, "maximum": MAX_POSITIONS,
-        "description": "at most the longer of the served context and the checkpoint's training length"})] = None
+    factor: Annotated[Any, settings_field_schema("factor")] = None
+    window: Annotated[Any, settings_field_schema("window", description="smaller than train_length")] = None
+    leaky_k: Annotated[Any, settings_field_schema("leaky_k")] = None
+    beta: Annotated[Any, settings_field_schema("beta")] = None
+    log_n: Annotated[Any, settings_field_schema("log_n")] = None
+    train_length: Annotated[Any, settings_field_schema(
+        "train_length", description="at most the longer of the served context and the checkpoint's training length")] = None
 
     def fields(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
