@@ -12,7 +12,7 @@ run: install
 	$(PY) -m server $(ARGS)
 
 base-bound: install
-	$(PY) -m rope_plugins base-bound
+	$(PY) bench/base_bound.py
 
 test: install
 	$(PY) -m pytest

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from rope_plugins.base_bound import base_bound  # noqa: E402
+from base_bound import base_bound  # noqa: E402
 
 SEED_ROW = {1024 * 2**i: value for i, value in enumerate(
     [4.3e3, 1.2e4, 2.7e4, 8.4e4, 2.3e5, 6.3e5, 2.1e6, 4.9e6, 2.4e7, 5.8e7, 6.5e7])}

@@ -173,7 +173,7 @@ class Evaluator:
         import httpx
         from openai import OpenAI
 
-        from server.corpus import load_corpus
+        from deploy.corpus import load_corpus
 
         self.http = httpx.Client(base_url=base, timeout=7200,
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -524,7 +524,7 @@ def main() -> int:
 
     from tqdm import tqdm
 
-    from server.launcher import running_server
+    from launcher import running_server
 
     records = current_records(args.runs) if args.runs.exists() else []  # a loss of an older text is measured again
     done = {record_key(r) for r in records}

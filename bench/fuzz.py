@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import httpx
 
-    from server.launcher import running_server
+    from launcher import running_server
 
     api_key = "fuzz-key"
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from rope_plugins.engine import engine_kwargs, extension_request
+    from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
     from rope_plugins.requests import engine_defaults
     from server.provision import provision_default_model
 
@@ -44,6 +44,7 @@ def main() -> None:
                   max_num_batched_tokens=max(max_len // 2, 8192), enable_prefix_caching=args.cached)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     ids = [random.Random(0).randrange(100, 40000) for _ in range(args.length)]
+    compute_on_every_core()  # the same cores for stock and plugin
     if args.config == "stock":
         llm = LLM(model=model, hf_overrides={"max_position_embeddings": max_len}, **common)
         prompt = {"prompt_token_ids": ids}

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from deploy import loadtest
-    from server.launcher import running_server
+    from launcher import running_server
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     load_path = args.out.with_name(args.out.stem + "_load.json")

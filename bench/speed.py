@@ -106,7 +106,7 @@ def main() -> None:
     max_len = 1 << (longest - 1).bit_length()
     common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
                   max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
-    compute_on_every_core()  # engine_kwargs does it for the plugin; stock must get the same cores
+    compute_on_every_core()  # the same cores for stock and plugin
     stock = LLM(model=model, hf_overrides={"max_position_embeddings": max_len}, **common)
     plugin = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common))
     defaults = engine_defaults(plugin.llm_engine.vllm_config.model_config.hf_config)

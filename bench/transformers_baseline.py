@@ -87,10 +87,11 @@ def baseline_generate(model_dir: str, ids: list[int], new_tokens: int, window: i
 def plugin_generate(model_dir: str, ids: list[int], new_tokens: int, window: int) -> tuple[list[int], float]:
     from vllm import LLM, SamplingParams
 
-    from rope_plugins.engine import engine_kwargs, extension_request
+    from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
     from rope_plugins.requests import engine_defaults
 
     max_len = 1 << (len(ids) + new_tokens).bit_length()
+    compute_on_every_core()
     llm = LLM(**engine_kwargs(model_dir, defaults={"method": "rerope", "window": window}, max_model_len=max(max_len, 8192),
                               dtype="float32", kv_cache_memory_bytes=3 << 30, max_num_batched_tokens=max(max_len, 8192)))
     defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)

@@ -1,6 +1,6 @@
 """Load test for long prompts against a running rope-extend server (loopback only).
 
-    .venv/bin/python deploy/loadtest.py --requests 16 --concurrency 2 \\
+    rope-extend-loadtest --requests 16 --concurrency 2 \\
         --prompt-lengths 1024,4096,8192,16384 --output-tokens 64 \\
         --mix rerope=2,ntk_mixed=1,auto=1
 
@@ -31,7 +31,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 
 
 @dataclass
@@ -119,7 +118,7 @@ async def run(args) -> dict:
     from openai import AsyncOpenAI
     from tqdm import tqdm
 
-    from server.corpus import load_corpus
+    from deploy.corpus import load_corpus
 
     require_loopback(args.url)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -263,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="extension settings and weights: 'rerope=2,ntk_mixed=1' or a JSON list")
     parser.add_argument("--corpus", default="pydoc", help="pydoc, stdlib, or a text file / directory")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "loadtest.json")
+    parser.add_argument("--out", type=Path, default=Path("loadtest.json"),
+                        help="the JSON report (the PNG goes beside it); default: in the current directory")
     args = parser.parse_args(argv)
     report = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)

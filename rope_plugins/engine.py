@@ -2,7 +2,9 @@
 
 ``engine_kwargs`` is the one place that configures vLLM for the plugin: the architecture
 override, the engine's default settings (in the model config, passed down to every worker),
-the served maximum length, the request-settings tracker, and the CPU cores the worker uses.
+the served maximum length and the request-settings tracker. It is pure; the CPU cores the
+workers use are vLLM environment variables, set by :func:`compute_on_every_core`, which each
+program calls once at its start (the server's ``main``, the benchmarks, the test fixtures).
 """
 
 from __future__ import annotations
@@ -66,12 +68,8 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_mod
 
     ``defaults`` are the engine's extension settings (fields of ExtensionSettings), which
     requests override. Serving past the checkpoint's ``max_position_embeddings`` needs an
-    extension method among the defaults. On a machine with few cores it also lets the
-    worker compute on all of them, and it splits the cores among several workers
-    (:func:`compute_on_every_core`, which sets vLLM's environment variables).
+    extension method among the defaults.
     """
-    workers = int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1)
-    compute_on_every_core(workers)
     train_length = checkpoint_train_length(model)
     settings = parse_settings(defaults, ExtensionSettings(train_length=train_length))
     served = max_model_len or train_length

@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from rope_plugins.engine import compute_on_every_core
+
 from .config import parse_config
 
 
@@ -19,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     # on a CPU one engine step (a long prompt's chunk) can pass vLLM's default 300 s limit,
     # which would kill the engine; a slow step is not a dead worker here
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
+    # every core to the engine's workers on a small machine, a share each when there are several
+    compute_on_every_core(config.tensor_parallel_size * config.pipeline_parallel_size)
     if config.model is None:
         from .provision import provision_default_model
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# the benchmark scripts and the server launcher the tests share with them
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from tiny_llama import TRAIN_LENGTH, make_tiny_llama
 
@@ -18,8 +24,9 @@ def tiny_llama_dir(tmp_path_factory):
 def _engine(model_dir, **engine):
     from vllm import LLM
 
-    from rope_plugins.engine import engine_kwargs
+    from rope_plugins.engine import compute_on_every_core, engine_kwargs
 
+    compute_on_every_core(int(engine.get("tensor_parallel_size", 1)))
     common = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
                   kv_cache_memory_bytes=1 << 27, seed=0)
     common.update(engine)

@@ -1,12 +1,13 @@
 """The base-bound tool of seed 002: its fast evaluation, its certificates, the seed's table."""
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
 import torch
 
-from rope_plugins.base_bound import (
+from base_bound import (
     CI_FIRST_ZERO,
     asymptotic_base_bound,
     base_bound,
@@ -16,6 +17,8 @@ from rope_plugins.base_bound import (
     first_violations,
     rotary_exponents,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The seed's "This Article" row for d = 128: L = 1k, 2k, ... 1M.
 SEED_ROW = [4.3e3, 1.2e4, 2.7e4, 8.4e4, 2.3e5, 6.3e5, 2.1e6, 4.9e6, 2.4e7, 5.8e7, 6.5e7]
@@ -86,7 +89,7 @@ def test_partial_rotation():
 
 def test_cli_prints_the_8k_bound():
     out = subprocess.run(
-        [sys.executable, "-m", "rope_plugins", "base-bound", "--length", "8192", "--head-dim", "128"],
+        [sys.executable, str(ROOT / "bench" / "base_bound.py"), "--length", "8192", "--head-dim", "128"],
         capture_output=True, text=True, check=True,
     ).stdout
     assert "b* = 8.376e+04" in out

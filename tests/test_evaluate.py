@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import evaluate  # noqa: E402
 
 LENGTHS = [4096, 8192, 16384, 32768]

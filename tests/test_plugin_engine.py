@@ -169,7 +169,8 @@ def test_serving_past_training_length_needs_a_method(tiny_llama_dir):
 
 def test_the_worker_computes_on_every_core(full_engine):
     """vLLM's CPU worker keeps a core for its scheduler unless told otherwise: half of a 2-core
-    machine. engine_kwargs tells it not to on small machines, so the worker's threads are
+    machine. compute_on_every_core (called by the fixtures, as by the server's main) tells it
+    not to on small machines, so the worker's threads are
     pinned across every core this process may use."""
     import psutil
 

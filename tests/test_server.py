@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
-from server.launcher import ServerProcess
-from server.launcher import start_server as launch
+from launcher import ServerProcess
+from launcher import start_server as launch
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -280,11 +280,14 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine(server, client):
     assert metric_value(server, "rope_extend_num_requests_running") == 0  # not still decoding 2000 tokens
 
 
+LOADTEST = Path(sys.executable).parent / "rope-extend-loadtest"  # the installed command
+
+
 def test_load_test_tool_reports_a_run(server, tmp_path):
-    out = tmp_path / "loadtest.json"
-    command = [sys.executable, "deploy/loadtest.py", "--url", server.base, "--requests", "4", "--concurrency", "2",
-               "--prompt-lengths", "64,300", "--output-tokens", "5", "--mix", "rerope=1,none=1,auto=1", "--out", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    out = tmp_path / "loadtest.json"  # where it writes by default: the directory it runs in
+    command = [str(LOADTEST), "--url", server.base, "--requests", "4", "--concurrency", "2",
+               "--prompt-lengths", "64,300", "--output-tokens", "5", "--mix", "rerope=1,none=1,auto=1"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "ROPE_EXTEND_API_KEY": API_KEY})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -293,7 +296,7 @@ def test_load_test_tool_reports_a_run(server, tmp_path):
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert 0 < report[name]["median"] <= report[name]["p99"]
     assert out.with_suffix(".png").stat().st_size > 0 and "TTFT" in result.stdout
-    refused = subprocess.run([sys.executable, "deploy/loadtest.py", "--url", "http://example.com:8000"], cwd=ROOT,
+    refused = subprocess.run([str(LOADTEST), "--url", "http://example.com:8000"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "loopback" in refused.stderr
 

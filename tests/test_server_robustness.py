@@ -22,7 +22,6 @@ import pytest
 
 from test_server import API_KEY, MODEL, assert_error_body, metric_value, start_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import fuzz  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

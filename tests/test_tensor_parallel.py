@@ -21,8 +21,9 @@ def test_cores_are_split_among_the_workers():
 def tensor_parallel_engine(tiny_llama_dir):
     from vllm import LLM
 
-    from rope_plugins.engine import engine_kwargs
+    from rope_plugins.engine import compute_on_every_core, engine_kwargs
 
+    compute_on_every_core(2)
     llm = LLM(**engine_kwargs(str(tiny_llama_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN,
                               skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
                               kv_cache_memory_bytes=1 << 27, seed=0, max_num_batched_tokens=4096, max_num_seqs=16,

@@ -1,4 +1,5 @@
-"""The lower bound of the RoPE base for a training length (seed 002).
+"""The lower bound of the RoPE base for a training length (seed 002), and its command line:
+``python bench/base_bound.py --length 8192 --head-dim 128`` (``make base-bound`` for the seed's row).
 
 ``b*(L) = inf { b : f_b(m) = sum_i cos(m b^(-2i/d)) >= 0 for m = 0 .. L-1 }``
 
@@ -19,7 +20,11 @@ on a CPU here:
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -152,3 +157,43 @@ def base_bound_row(lengths: list[int], head_dim: int = 128, rotary_fraction: flo
         results.append(result)
         start = result.base
     return results
+
+
+def _describe(result: BaseBound) -> str:
+    if result.evaluations == 1 and result.base < 1.5:
+        return (f"L = {result.length:>8}: any base > 1 works (rotary fraction {result.rotary_fraction}: "
+                "the unrotated pairs keep the sum non-negative)")
+    return (f"L = {result.length:>8}: b* = {result.base:.4g}   asymptotic L/x0 = {result.asymptotic:.4g}"
+            f"   ({result.evaluations} bases checked)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/base_bound.py", description="the RoPE base lower bound of seed 002")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--length", type=int, help="training length L")
+    what.add_argument("--row", type=int, nargs="+", default=[1024 * 2**i for i in range(11)],
+                      help="several lengths (default: the seed's row, 1k .. 1M)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--rotary-fraction", type=float, default=1.0,
+                        help="share of the head dims that are rotated (GPT-NeoX partial rotation)")
+    parser.add_argument("--resolution", type=float, default=1e-6,
+                        help="smallest relative step where no larger step is certified")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+    began = time.perf_counter()
+    if args.length:
+        results = [base_bound(args.length, args.head_dim, args.rotary_fraction, args.resolution)]
+    else:
+        results = base_bound_row(args.row, args.head_dim, args.rotary_fraction, args.resolution)
+    if args.json:
+        print(json.dumps([vars(result) for result in results], indent=2))
+        return 0
+    print(f"smallest RoPE base with sum_i cos(m b^(-2i/d)) >= 0 for all m < L, d = {args.head_dim}")
+    for result in results:
+        print(_describe(result))
+    print(f"({time.perf_counter() - began:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
