@@ -28,6 +28,33 @@ SEED_ROW = {1024 * 2**i: value for i, value in enumerate(
 RESULTS = Path(__file__).parent / "results"
 
 
+TARGET_SECONDS = 60  # the issue's target for the whole row on a CPU
+
+
+def short(value: float, digits: int) -> str:
+    """4293.4 -> '4.293e3'."""
+    mantissa, exponent = f"{value:.{digits}e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def markdown(report: dict) -> str:
+    """base_bound_row.json as bench/README.md shows it: each length against the seed, then the
+    largest difference and the time."""
+    rows = report["rows"]
+    lines = [f"Measured {report['date'][:10]} on {report['machine']}:", "",
+             "| L | seed 002 | this search | difference | asymptotic L / 0.6165 |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['length']:,} | {short(r['seed'], 1)} | {short(r['base'], 3)} | {r['relative_to_seed']:+.2%} | "
+              f"{short(r['asymptotic'], 3)} |" for r in rows]
+    worst = max(rows, key=lambda r: abs(r["relative_to_seed"]))
+    below = "below every" if all(r["asymptotic"] < r["base"] for r in rows) else "not below every"
+    met = "met" if report["total_seconds"] < TARGET_SECONDS else "not met"
+    lines += ["", f"The largest difference from the seed is {abs(worst['relative_to_seed']):.2%} (L = {worst['length']:,}: "
+                  f"{short(worst['base'], 3)} against the seed's {short(worst['seed'], 1)}). The asymptotic estimate is "
+                  f"{below} exact value. The whole row took {report['total_seconds']:.1f} s (target: under "
+                  f"{TARGET_SECONDS} s, {met})."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     rows, start = [], 1.0 + 1e-9
     began = time.perf_counter()

@@ -1,8 +1,8 @@
 """Long-context quality of every method on the real default model, through the real server.
 
-    .venv/bin/python bench/evaluate.py            # the full grid (hours on 2 cores; resumable)
-    .venv/bin/python bench/evaluate.py --quick    # 9k tokens, the 8 methods' loss and accuracy (~5 min on 2 cores)
-    .venv/bin/python bench/evaluate.py --table    # summary files and README tables from the results log
+    .venv/bin/python bench/evaluate.py            # the full grid (resumable)
+    .venv/bin/python bench/evaluate.py --quick    # 9k tokens, the 8 methods' loss and accuracy
+    .venv/bin/python bench/evaluate.py --table    # summary files and bench/README.md's tables from the results log
 
 Starts ``python -m server`` on SmolLM2-135M-Instruct (trained at 8,192 tokens) and, over HTTP
 with the openai client, for each method (none, pi, ntk_old, ntk_fixed, ntk_mixed, yarn,
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope"]
 TRAIN_LENGTH = 8192
-QUICK_LENGTH = 9216  # --quick: one length past training, loss and accuracy only (about 5 min on 2 cores)
+QUICK_LENGTH = 9216  # --quick: one length past training, loss and accuracy only
 SCORED_TOKENS = 4096
 # Every length's loss text ends at the same token, so all lengths score the same 4,096 tokens
 # and differ only in how much context precedes them: a loss that rises with length is the
@@ -54,7 +54,7 @@ SCORED_TOKENS = 4096
 LOSS_TEXT_END = 32768
 TESTS = ["loss", "repeat", "passkey"]
 # the classic passkey haystack: the 135M model does not find a needle in real documentation
-# text even within its training length (tried: 0/2 at 9k tokens for plain RoPE)
+# text even within its training length
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -77,7 +77,7 @@ def ablations() -> list[dict]:
 
 def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, with_ablations: bool = True) -> list[tuple]:
     """The measurements in the order they run: the most informative per CPU-hour first, so a
-    run stopped early (the full grid is many hours on 2 cores) has whole curves rather than
+    run stopped early (the full grid takes long) has whole curves rather than
     every test of a few lengths.
 
     Up to the first length past training: every loss and the ablations; then repeat and
@@ -452,7 +452,7 @@ def ablation_default(method: str) -> str:
 
 
 def markdown_report(report: dict) -> str:
-    """The README's evaluation tables: a results file's rows with where and when they were measured."""
+    """A results file's tables with where and when they were measured."""
     planned, missing = report["measurements_planned"], report["measurements_missing"]
     tables = markdown_table(report)
     if missing:
@@ -464,22 +464,92 @@ def markdown_report(report: dict) -> str:
             f"{extent}.\n\n" + tables).rstrip("\n")
 
 
-def readme_markers(stem: str) -> tuple[str, str]:
-    return f"<!-- {stem}.json tables: bench/evaluate.py --table --readme -->", f"<!-- end of {stem}.json tables -->"
+def length_name(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def readme_block(readme: str, stem: str) -> str:
-    begin, end = readme_markers(stem)
-    return readme.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+def listed(values: dict[str, float], fmt: str = "{:.3f}") -> str:
+    return ", ".join(f"`{name}` {fmt.format(value)}" for name, value in values.items())
 
 
-def write_readme_block(readme: Path, stem: str, block: str) -> None:
-    text = readme.read_text()
-    begin, end = readme_markers(stem)
-    if begin not in text or end not in text:
-        raise SystemExit(f"{readme} has no {begin} ... {end} section to replace")
-    before, rest = text.split(begin, 1)
-    readme.write_text(f"{before}{begin}\n{block}\n{end}{rest.split(end, 1)[1]}")
+def ranked(values: dict[str, float], best: int, lowest_first: bool = True) -> dict[str, float]:
+    return dict(sorted(values.items(), key=lambda item: item[1] if lowest_first else -item[1])[:best])
+
+
+def within_training(losses: dict[tuple, float], labels: list[str], train: int) -> str:
+    """The cost of each method inside the training length, against plain RoPE."""
+    plain = losses[("none", train)]
+    costs = {name: losses[(name, train)] - plain for name in labels if name != "none" and name in METHODS}
+    return (f"Within training ({length_name(train)}), each method's loss against plain RoPE's ({plain:.3f}): "
+            f"{listed(costs, '{:+.3f}')}.")
+
+
+def past_training(losses: dict[tuple, float], labels: list[str], train: int, longest: int) -> list[str]:
+    """The lowest losses at the longest length, each with its rise from the training length,
+    and ReRoPE's against the seeds' expectation (at or below its loss at the training length)."""
+    at = {name: losses[(name, longest)] for name in labels if (name, longest) in losses}
+    best = ", ".join(f"`{name}` {value:.3f} ({value - losses[(name, train)]:+.3f})"
+                     for name, value in ranked(at, 3).items())
+    past = [n for n in sorted({n for _, n in losses}) if n > train and ("rerope", n) in losses]
+    rises = [losses[("rerope", n)] - losses[("rerope", train)] for n in past]
+    expectation = "met" if max(rises) <= 0 else "not met"
+    return [f"Lowest loss at {length_name(longest)} (in brackets: the change from {length_name(train)}): {best}; "
+            f"plain RoPE {at['none']:.3f} ({at['none'] - losses[('none', train)]:+.3f}).",
+            f"`rerope` past training against its own {length_name(train)} loss: " + ", ".join(
+                f"{rise:+.3f} at {length_name(n)}" for n, rise in zip(past, rises))
+            + f" (the seeds expect no rise: {expectation})."]
+
+
+def log_n_effect(losses: dict[tuple, float], longest: int) -> str:
+    """Each method's loss at the longest length without and with log_n."""
+    pairs = {name: (losses[(name, longest)], losses[(f"{name}(log_n=True)", longest)]) for name in METHODS
+             if (name, longest) in losses and (f"{name}(log_n=True)", longest) in losses}
+    lowers = ", ".join(f"`{name}` ({a:.3f} to {b:.3f})" for name, (a, b) in pairs.items() if b < a)
+    raises = ", ".join(f"`{name}` ({a:.3f} to {b:.3f})" for name, (a, b) in pairs.items() if b >= a)
+    return (f"log_n at {length_name(longest)} lowers the loss of {lowers or 'none'}; "
+            f"it raises it for {raises or 'none'}.")
+
+
+def retrieval(rows: dict[tuple, dict], labels: list[str], longest: int) -> list[str]:
+    """Passkeys found and copying from far back at the longest length."""
+    measured = [name for name in labels if rows.get((name, longest), {}).get("passkey_trials")]
+    if not measured:
+        return []
+    found = {name: rows[(name, longest)]["passkey_found"] for name in measured}
+    repeat = {name: rows[(name, longest)]["repeat_accuracy"] for name in measured}
+    trials = rows[(measured[0], longest)]["passkey_trials"]
+    some = ranked({name: count for name, count in found.items() if count}, len(found), lowest_first=False)
+    return [f"Passkeys found at {length_name(longest)} (of {trials}): {listed(some, '{}')}; 0 for "
+            + ", ".join(f"`{name}`" for name, count in found.items() if not count) + ".",
+            f"Repeat accuracy at {length_name(longest)}, highest first: {listed(ranked(repeat, 3, False))}; "
+            f"plain RoPE {repeat['none']:.3f}."]
+
+
+def readings(report: dict) -> list[str]:
+    """The sentences that read the tables, computed from them."""
+    rows = {(r["label"], r["length"]): r for r in report["rows"] if not is_ablation(r)}
+    losses = {key: row["nll"] for key, row in rows.items() if row.get("nll") is not None}
+    lengths, train = sorted({n for _, n in rows}), report["train_length"]
+    labels = sorted({name for name, _ in rows}, key=label_order)
+    if train not in lengths:
+        return [f"Lowest loss at {length_name(lengths[-1])}: "
+                f"{listed(ranked({n: losses[(n, lengths[-1])] for n in labels}, 3))}."]
+    lines = [within_training(losses, labels, train)]
+    if lengths[-1] > train:
+        lines += past_training(losses, labels, train, lengths[-1]) + [log_n_effect(losses, lengths[-1])]
+    return lines + retrieval(rows, labels, lengths[-1])
+
+
+def cost(report: dict) -> str:
+    measured = report["measured_seconds"]
+    if report["profile"] == "quick":
+        return f"The run took {report['seconds']} s, the server's start included ({measured} s of measurements)."
+    return f"The measurements took {measured / 3600:.1f} h in all, one after another."
+
+
+def markdown(report: dict) -> str:
+    """eval.json or eval_quick.json as bench/README.md shows it: tables, then readings."""
+    return markdown_report(report) + "\n\n" + "\n".join(f"- {line}" for line in readings(report) + [cost(report)])
 
 
 def main() -> int:
@@ -503,9 +573,9 @@ def main() -> int:
                         help="start no measurement that would end after this many minutes (by the log's timings); "
                              "the summary covers what finished")
     parser.add_argument("--table", action="store_true",
-                        help="rewrite the summary files from the results log, print the README tables and stop")
+                        help="rewrite the summary files from the results log, print their markdown and stop")
     parser.add_argument("--readme", action="store_true",
-                        help="also replace the tables in README.md (between its eval[_quick].json markers)")
+                        help="also rewrite the eval[_quick].json block of bench/README.md")
     args = parser.parse_args()
     quick = args.quick
     stem = "eval_quick" if quick else "eval"
@@ -518,9 +588,8 @@ def main() -> int:
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (float32)",
             "train_length": TRAIN_LENGTH, "corpus": args.corpus, "profile": "quick" if quick else "full",
             "passkey_trials_per_length": 0 if quick else len(depths) * keys}
-    readme = ROOT / "README.md" if args.readme else None
     if args.table:
-        return report(args.runs, jobs, meta, args.out_dir, stem, readme)
+        return report(args.runs, jobs, meta, args.out_dir, stem, args.readme)
 
     from tqdm import tqdm
 
@@ -548,8 +617,8 @@ def main() -> int:
     try:
         evaluator = Evaluator(args.url or server.base, args.corpus, args.runs, os.environ.get("ROPE_EXTEND_API_KEY"))
         deadline = began + 60 * args.budget_minutes if args.budget_minutes is not None else math.inf
-        # the bar counts expected seconds of work, not measurements: they take 15 s to 10 min
-        # each, so only this makes its remaining time mean something
+        # the bar counts expected seconds of work, not measurements: measurements differ in
+        # length by orders of magnitude, so only this makes its remaining time mean something
         with tqdm(total=round(sum(work)), desc="evaluation", unit="s", unit_scale=True,
                   bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
             measured = estimated = 0.0
@@ -567,12 +636,13 @@ def main() -> int:
     finally:
         if context:
             context.__exit__(None, None, None)
-    return report(args.runs, jobs, {**meta, "seconds": round(time.perf_counter() - began)}, args.out_dir, stem, readme)
+    return report(args.runs, jobs, {**meta, "seconds": round(time.perf_counter() - began)}, args.out_dir, stem,
+                  args.readme)
 
 
-def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, readme: Path | None = None) -> int:
+def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, document: bool = False) -> int:
     """Summary files and tables from the results log alone (no server needed); with
-    ``readme``, the tables there too."""
+    ``document``, its block of bench/README.md too."""
     if not runs.exists():
         print(f"no results log at {runs}: nothing measured yet", file=sys.stderr)
         return 1
@@ -589,12 +659,14 @@ def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, 
                "measurements_planned": len(jobs), "measurements_missing": len(missing),
                "measured_seconds": round(sum(r["seconds"] for r in records)), **summarize(records)}
     write_outputs(results, out_dir, stem)
-    tables = markdown_report(results)
+    tables = markdown(results)
     print(tables)
     print(f"wrote {out_dir / stem}.json, .csv, .png; {len(jobs) - len(missing)} of {len(jobs)} planned measurements done")
-    if readme:
-        write_readme_block(readme, stem, tables)
-        print(f"replaced the {stem} tables in {readme}")
+    if document:
+        from readme import DOCUMENT, write_block
+
+        write_block(stem, tables)
+        print(f"rewrote the {stem}.json block of {DOCUMENT}")
     return 0
 
 if __name__ == "__main__":

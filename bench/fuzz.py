@@ -61,6 +61,19 @@ def answers_by_status(log: str) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+def markdown(report: dict) -> str:
+    """fuzz.json as bench/README.md shows it: the run, then the server's answers by status."""
+    passed = "passed" if report["schemathesis_passed"] else "did not pass"
+    healthy = "was healthy" if report["healthy_at_end"] else "was not healthy"
+    lines = [f"Measured {report['date'][:10]} ({report['examples_per_operation']} examples per operation, seed "
+             f"{report['seed']}): {report['requests_generated']:,} requests; every check {passed}; "
+             f"{report['server_errors_5xx']} answered 5xx; {report['tracebacks_in_log']} tracebacks in the server's log; "
+             f"the server {healthy} at the end. The server's answers, from its log:", "",
+             "| answer | requests |", "| --- | --- |"]
+    lines += [f"| {answer} | {count:,} |" for answer, count in report["answers_by_status"].items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=500, help="schemathesis examples per operation")

@@ -83,6 +83,25 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def markdown(report: dict) -> str:
+    """soak.json as bench/README.md shows it."""
+    load, c = report["load"], report["load"]["config"]
+    ttft, itl = load["ttft_s"], load["itl_s"]
+    rows = [("requests done / failed", f"{load['completed']} / {load['failed']} (error rate {load['error_rate']:.1%}) "
+                                       f"in {report['minutes']:.0f} min"),
+            ("RSS, server + engine", f"{report['rss_start_mib']:.0f} MiB at the start, {report['rss_peak_mib']:.0f} peak, "
+                                     f"{report['rss_end_mib']:.0f} at the end"),
+            ("RSS trend, second half", f"{report['rss_growth_mib_per_hour']:+.0f} MiB/h"),
+            ("time to first token", f"median {ttft['median']:.0f} s, p99 {ttft['p99']:.0f} s"),
+            ("gap between tokens", f"median {itl['median']:.2f} s, p90 {itl['p90']:.1f} s, p99 {itl['p99']:.1f} s"),
+            ("server alive at the end", "yes" if report["server_alive_at_end"] else "no")]
+    lengths = ", ".join(f"{n:,}" for n in c["prompt_lengths"])
+    return (f"Measured {report['date'][:10]} on {load['machine']} ({load['model']}, {report['server_flags']}): "
+            f"prompts of {lengths} tokens, {c['concurrency']} at a time, mix `{c['mix']}`, {c['output_tokens']} "
+            "output tokens each:\n\n| measured | value |\n| --- | --- |\n"
+            + "\n".join(f"| {name} | {value} |" for name, value in rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=20.0)

@@ -30,6 +30,8 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 KV_BYTES = 3 << 30
 CONFIGS = ["stock", "rerope", "leaky_rerope", "ntk_mixed"]
+# the issue's targets for ReRoPE against stock at the longest of the main lengths
+TARGETS = {"tpot": 1.15, "prefill": 1.25}
 BATCH_MIX = [{"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "ntk_mixed"}, {"method": "none"},
              {"method": "yarn"}, {"method": "pi"}, {"method": "rerope", "log_n": True}, {"method": "ntk_fixed"}]
 
@@ -79,10 +81,10 @@ def main() -> None:
     parser.add_argument("--show-rep", type=int, metavar="REP",
                         help="print the table of one repetition (1-based) from --out and stop")
     parser.add_argument("--markdown", action="store_true",
-                        help="print the README's tables (medians, then the scaling sweep) from --out and stop")
+                        help="print --out as bench/README.md shows it (tables and readings) and stop")
     args = parser.parse_args()
     if args.markdown:
-        print(markdown_tables(json.loads(args.out.read_text())))
+        print(markdown(json.loads(args.out.read_text())))
         return
     if args.show_rep:
         report = json.loads(args.out.read_text())
@@ -279,7 +281,53 @@ def markdown_tables(report: dict) -> str:
     sweep = [row(n, config, values[n], report["scaling"]["stock"][n])
              for n in map(str, report["scaling_lengths"]) if n not in main_lengths
              for config, values in report["scaling"].items() if n in values]
-    return "\n".join(header + medians + ([""] + header + sweep if sweep else []))
+    sweep_title = ["", f"The scaling sweep ({' and '.join(report['scaling'])}, one sample each):", ""]
+    return "\n".join(header + medians + (sweep_title + header + sweep if sweep else []))
+
+
+def kilo(n: str | int) -> str:
+    return f"{int(n) // 1024}k"
+
+
+def ratio_readings(report: dict) -> list[str]:
+    """Each method's time against stock's at the longest main length (and the sweep's longest)."""
+    n, ratios = str(max(report["lengths"])), report["ratio_to_stock"]
+    lines = []
+    for key, name in (("tpot", "Decode (time per output token)"), ("prefill", "Prefill")):
+        each = ", ".join(f"{config} {ratio[n][key]:.2f}x" for config, ratio in ratios.items())
+        met = "met" if ratios["rerope"][n][key] <= TARGETS[key] else "not met"
+        lines.append(f"{name} at {kilo(n)}: {each} stock's time (target for rerope: {TARGETS[key]}x, {met}).")
+    sweep, longest = report["scaling"], str(max(report["scaling_lengths"]))
+    if longest != n:
+        rerope, stock = sweep["rerope"][longest], sweep["stock"][longest]
+        lines.append(f"At {kilo(longest)} (the sweep) rerope's prefill takes {rerope['prefill'] / stock['prefill']:.2f}x "
+                     f"stock's time and its decode {rerope['tpot'] / stock['tpot']:.2f}x.")
+    return lines
+
+
+def batch_reading(batch: dict) -> str:
+    speed = batch["tokens_per_second"]
+    return (f"A batch of 8 concurrent {batch['length']:,}-token requests with 8 different settings, "
+            f"{batch['new_tokens']} new tokens each: {speed['plugin_mixed']:.1f} tokens/s, against "
+            f"{speed['stock_plain']:.1f} for 8 plain requests on stock vLLM (ratio {batch['throughput_ratio']:.2f}).")
+
+
+def memory_readings(report: dict) -> list[str]:
+    kv, peak = report["kv_bytes_per_token"], report["peak_process_bytes"]
+    lengths = dict.fromkeys((str(max(report["lengths"])), str(max(report["scaling_lengths"]))))
+    return [f"KV-cache bytes per token: stock {kv['stock']:,.0f}, plugin {kv['plugin']:,.0f}.",
+            "Peak resident memory of the benchmark's process tree (both engines) during a prefill: " + "; ".join(
+                f"at {kilo(n)} stock {peak['stock'][n] / 1e9:.2f} GB, rerope {peak['rerope'][n] / 1e9:.2f} GB"
+                for n in lengths) + "."]
+
+
+def markdown(report: dict) -> str:
+    """speed.json as bench/README.md shows it."""
+    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}; medians of {report['reps']}; "
+            f"TPOT from {report['decode_tokens']} new tokens on the cached prompt):\n\n"
+            + markdown_tables(report) + "\n\n"
+            + "\n".join(f"- {line}" for line in [*ratio_readings(report), batch_reading(report["batch8"]),
+                                                  *memory_readings(report)]))
 
 
 if __name__ == "__main__":

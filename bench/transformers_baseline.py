@@ -27,6 +27,7 @@ from rope_plugins.rotary import rotate
 
 RESULTS = Path(__file__).parent / "results"
 ATTENTION_NAME = "rerope_reference_style"
+TARGET_SPEEDUP = 10  # the issue's target for the plugin against this baseline
 
 
 class ReferenceStyleReRoPE:
@@ -103,6 +104,17 @@ def plugin_generate(model_dir: str, ids: list[int], new_tokens: int, window: int
     elapsed = time.perf_counter() - began
     llm.llm_engine.engine_core.shutdown()
     return list(output.outputs[0].token_ids), elapsed
+
+
+def markdown(report: dict) -> str:
+    """transformers_baseline.json as bench/README.md shows it."""
+    met = "met" if report["speedup"] >= TARGET_SPEEDUP else "not met"
+    tokens = ("identical" if report["identical_tokens"]
+              else f"the same up to token {report['first_difference']}")
+    return (f"Measured {report['date'][:10]}: a {report['length']:,}-token prompt and {report['new_tokens']} new tokens, "
+            f"window {report['window']:,}, float32, greedy: transformers {report['baseline_seconds']:.1f} s, the plugin "
+            f"{report['plugin_seconds']:.1f} s, {report['speedup']:.1f}x faster (target {TARGET_SPEEDUP}x: {met}); "
+            f"the {report['new_tokens']} greedy tokens are {tokens}.")
 
 
 def main() -> None:

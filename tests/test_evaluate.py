@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-import evaluate  # noqa: E402
+import evaluate
+import readme
 
 LENGTHS = [4096, 8192, 16384, 32768]
 DEPTHS = [0.1, 0.5, 0.9]
@@ -99,26 +98,28 @@ def test_the_report_line_tells_missing_measurements_from_unplanned_cells():
     assert "all 9 planned measurements." in no_dashes
 
 
-def test_the_readme_block_is_replaced_and_the_rest_kept(tmp_path):
-    begin, end = evaluate.readme_markers("eval")
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\n{begin}\nold table\n{end}\n\nafter\n")
-    for _ in range(2):  # idempotent
-        evaluate.write_readme_block(readme, "eval", "| new | table |")
-        assert readme.read_text() == f"# title\n\n{begin}\n| new | table |\n{end}\n\nafter\n"
-    with pytest.raises(SystemExit, match="no"):
-        evaluate.write_readme_block(readme, "eval_quick", "x")
-
-
 @pytest.mark.parametrize("stem", ["eval", "eval_quick"])
-def test_the_readme_tables_are_the_committed_results(stem):
-    """The README's tables are the summary file's, and the summary file is its results log's
+def test_bench_readme_shows_the_committed_results(stem):
+    """bench/README.md's block is the summary file's, and the summary file is its results log's
     (rerun `bench/evaluate.py [--quick] --table --readme` after measuring)."""
     results = json.loads((evaluate.RESULTS / f"{stem}.json").read_text())
     log = evaluate.current_records(evaluate.RESULTS / f"{stem}_runs.jsonl")
     assert results["rows"] == evaluate.summarize(log)["rows"]
     assert results["date"] == max(r["date"] for r in log)
-    assert evaluate.readme_block((evaluate.ROOT / "README.md").read_text(), stem) == evaluate.markdown_report(results)
+    assert readme.block(readme.DOCUMENT.read_text(), stem) == evaluate.markdown(results)
+
+
+def test_the_readings_compare_log_n_and_the_training_length():
+    rows = [{"label": label, "length": n, "nll": nll, "accuracy": 0.5}
+            for label, nlls in {"none": (2.5, 9.0), "none(log_n=True)": (2.5, 8.0), "rerope": (2.6, 2.7),
+                                "yarn": (2.7, 2.8), "yarn(log_n=True)": (2.7, 2.9)}.items()
+            for n, nll in zip((8192, 32768), nlls)]
+    readings = evaluate.readings({**summary_of(rows), "train_length": 8192})
+    assert readings[0] == ("Within training (8k), each method's loss against plain RoPE's (2.500): "
+                           "`yarn` +0.200, `rerope` +0.100.")
+    assert "`rerope` 2.700 (+0.100)" in readings[1] and "(the seeds expect no rise: not met)" in readings[2]
+    assert readings[3] == ("log_n at 32k lowers the loss of `none` (9.000 to 8.000); "
+                           "it raises it for `yarn` (2.800 to 2.900).")
 
 
 def test_the_time_estimate_comes_from_the_log_and_scales_to_longer_lengths():
@@ -152,7 +153,7 @@ def test_a_table_rewrite_keeps_the_timed_runs_seconds(tmp_path):
     runs = tmp_path / "eval_runs.jsonl"
     runs.write_text(json.dumps(record) + "\n")
     jobs = [("loss", {"method": "none"}, 4096)]
-    meta = {"machine": "x86_64, 2 cores", "model": "tiny", "corpus": "pydoc"}
+    meta = {"machine": "x86_64, 2 cores", "model": "tiny", "corpus": "pydoc", "train_length": 8192, "profile": "full"}
     assert evaluate.report(runs, jobs, {**meta, "seconds": 95}, tmp_path, "eval") == 0  # a timed run
     assert evaluate.report(runs, jobs, meta, tmp_path, "eval") == 0  # --table
     assert json.loads((tmp_path / "eval.json").read_text())["seconds"] == 95

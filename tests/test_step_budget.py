@@ -4,16 +4,22 @@ benchmark, run by hand; bench/results holds the last one)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-import step_budget  # noqa: E402
+import pytest
+
+import readme
+import step_budget
+from server.config import ServerConfig
 
 
-def test_the_readme_table_is_the_committed_results():
+@pytest.mark.parametrize("name", ["step_budget", "reserved_cores"])
+def test_bench_readme_shows_the_committed_results(name):
+    assert readme.block(readme.DOCUMENT.read_text(), name) == readme.generated(name)
+
+
+def test_the_server_default_is_the_budget_the_measurements_pick():
     runs = json.loads((step_budget.RESULTS / "step_budget.json").read_text())["runs"]
-    assert step_budget.table(runs) in (ROOT / "README.md").read_text()
+    assert step_budget.chosen_budget(runs)["budget"] == ServerConfig().max_num_batched_tokens
 
 
 def test_runs_are_labelled_by_what_varies():

@@ -1,0 +1,100 @@
+"""The generated blocks of bench/README.md: each is a results file as its benchmark's
+``markdown(report)`` renders it (tables and the sentences that read them), between markers.
+
+    .venv/bin/python bench/readme.py            # rewrite every block from bench/results/
+    .venv/bin/python bench/readme.py --check    # name the blocks that differ from their results
+
+A block starts with ``<!-- NAME.json: bench/readme.py -->`` and ends with
+``<!-- end of NAME.json -->``; the prose around the blocks holds no measured number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+DOCUMENT = ROOT / "bench" / "README.md"
+# results file stem: (module, function) rendering it as markdown
+RENDERERS = {
+    "speed": ("speed", "markdown"),
+    "attention_kernels": ("attention_kernels", "markdown"),
+    "transformers_baseline": ("transformers_baseline", "markdown"),
+    "eval": ("evaluate", "markdown"),
+    "eval_quick": ("evaluate", "markdown"),
+    "loadtest": ("readme", "loadtest_markdown"),
+    "step_budget": ("step_budget", "markdown"),
+    "reserved_cores": ("step_budget", "markdown"),
+    "soak": ("soak", "markdown"),
+    "fuzz": ("fuzz", "markdown"),
+    "base_bound_row": ("base_bound_row", "markdown"),
+}
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}.json: bench/readme.py -->", f"<!-- end of {name}.json -->"
+
+
+def block_names(text: str) -> list[str]:
+    return [line[5:].split(".json: ", 1)[0] for line in text.splitlines()
+            if line.startswith("<!-- ") and line.endswith(".json: bench/readme.py -->")]
+
+
+def block(text: str, name: str) -> str:
+    begin, end = markers(name)
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def replace_block(text: str, name: str, content: str) -> str:
+    begin, end = markers(name)
+    if begin not in text or end not in text:
+        raise SystemExit(f"no {begin} ... {end} block to replace")
+    before, rest = text.split(begin, 1)
+    return f"{before}{begin}\n{content}\n{end}{rest.split(end, 1)[1]}"
+
+
+def generated(name: str, results: Path = RESULTS) -> str:
+    """The block ``name`` as its results file renders it now."""
+    module, function = RENDERERS[name]
+    render = getattr(importlib.import_module(module), function)
+    return render(json.loads((results / f"{name}.json").read_text()))
+
+
+def write_block(name: str, content: str, document: Path = DOCUMENT) -> None:
+    document.write_text(replace_block(document.read_text(), name, content))
+
+
+def loadtest_markdown(report: dict) -> str:
+    """deploy/loadtest.py's own summary of a run, with what was run where."""
+    from deploy.loadtest import summary
+
+    c = report["config"]
+    lengths = ", ".join(f"{n:,}" for n in c["prompt_lengths"])
+    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, {report['served_max']:,} "
+            f"tokens served): prompts of {lengths} tokens, {c['output_tokens']} output tokens each, "
+            f"{c['concurrency']} at a time, mix `{c['mix']}`.\n\n```\n{summary(report)}\n```")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    args = parser.parse_args(argv)
+    text = DOCUMENT.read_text()
+    stale = [name for name in block_names(text) if block(text, name) != generated(name)]
+    if args.check:
+        print("\n".join(f"stale: {name}" for name in stale) or "every block is its results file's")
+        return 1 if stale else 0
+    for name in stale:
+        text = replace_block(text, name, generated(name))
+    DOCUMENT.write_text(text)
+    print(f"rewrote {len(stale)} block(s) of {DOCUMENT}: {', '.join(stale) or 'none stale'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
