@@ -94,7 +94,7 @@ def main() -> None:
     if args.quick:
         args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
 
-    # a whole 32k prompt is one engine step here, longer than vLLM's default 300 s step timeout
+    # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
     from tqdm import tqdm
     from vllm import LLM, SamplingParams

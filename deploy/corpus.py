@@ -1,6 +1,6 @@
 """Long real text for the evaluation and the load test, written by no one here and present on
 every machine that runs Python: CPython's own documentation (the ``pydoc_data`` topics, the
-prose of the language reference, about 200k tokens) or its standard-library sources.
+prose of the language reference) or its standard-library sources.
 
 ``load_corpus("pydoc" | "stdlib" | PATH)``: a path may be a text file or a directory (its
 ``*.txt``, ``*.md``, ``*.rst`` and ``*.py`` files, in name order).
