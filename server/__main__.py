@@ -10,18 +10,20 @@ from rope_plugins.engine import compute_on_every_core
 
 from .config import parse_config
 
+logger = logging.getLogger(__name__)
+
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    logger = logging.getLogger(__name__)
     # vLLM's own INFO lines (config dumps, compile steps) drown the server's; --log-level debug shows them
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if config.log_level == "debug" else "WARNING")
     # on a CPU one engine step (a long prompt's chunk) can pass vLLM's default 300 s limit,
     # which would kill the engine; a slow step is not a dead worker here
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
-    # every core to the engine's workers on a small machine, a share each when there are several
+    # every core to the engine's workers on a small machine, a share each when there are several: vLLM's CPU
+    # thread-binding variables, set here in this process's environment for the engine process to inherit
     compute_on_every_core(config.tensor_parallel_size * config.pipeline_parallel_size)
     if config.model is None:
         from .provision import provision_default_model

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .engine import EngineService
-from .errors import APIError
+from .errors import invalid_api_key
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -30,4 +30,4 @@ async def require_api_key(request: Request) -> None:
         return
     credentials: HTTPAuthorizationCredentials | None = await _bearer(request)
     if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
-        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        raise invalid_api_key()

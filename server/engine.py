@@ -20,29 +20,34 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from rope_plugins.engine import engine_kwargs, extension_request
-from rope_plugins.requests import engine_defaults
+from rope_plugins.settings import engine_defaults
 from rope_plugins.settings import ExtensionSettings, SettingsError, parse_settings
 
 from .config import AUTO, ServerConfig
-from .errors import APIError, bad_request, engine_unavailable, server_full
+from .errors import (bad_request, context_length_exceeded, engine_refusal, engine_unavailable, invalid_settings,
+                     model_not_found, request_too_large, server_full)
 from .metrics import Metrics
 from .schemas import SamplingFields
 
 logger = logging.getLogger(__name__)
 
-# vLLM's parameter names, as the API calls them
-API_PARAMS = {"extra_args": "context_extension", "prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
-
 
 @dataclass
 class Job:
-    """One engine request: a prompt's token ids, its sampling, and its resolved settings."""
+    """One engine request: a prompt's token ids, its sampling, and its resolved settings; the
+    ``index``-th prompt of the answer whose id is ``response_id``."""
 
-    request_id: str
+    response_id: str
+    index: int
     prompt_ids: list[int]
     params: SamplingParams
     settings: ExtensionSettings
     engine_prompt: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        """The engine's id for this job: its answer's id and its prompt's index."""
+        return f"{self.response_id}-{self.index}"
 
     @property
     def label(self) -> str:
@@ -158,16 +163,15 @@ class EngineService:
 
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.model_path):
-            raise APIError(400, f"model {name!r} is not served here; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise model_not_found(name, self.model_name)
 
     def check_text_length(self, characters: int, param: str) -> None:
         """Refuse, before tokenizing it, a text that cannot fit: no token covers more than
         ``longest_token_chars`` characters, so it has at least characters / that many tokens."""
         served = self.config.max_model_len
         if characters > served * self.longest_token_chars:
-            raise bad_request(f"{param}: the text has {characters} characters, so more than {served} tokens, this "
-                              f"server's maximum context", param=param, code="context_length_exceeded")
+            raise context_length_exceeded(f"{param}: the text has {characters} characters, so more than {served} "
+                                          f"tokens, this server's maximum context", param)
 
     def encode_text(self, text: str, add_special_tokens: bool = True, param: str | None = "prompt") -> list[int]:
         """Token ids of a prompt; with ``param`` (a generation's prompt) a text that cannot fit
@@ -204,51 +208,62 @@ class EngineService:
                                                     f"and the checkpoint's training length), got {settings.train_length}")
             return settings
         except SettingsError as error:
-            param = f"context_extension.{error.field}" if error.field else "context_extension"
-            raise bad_request(str(error), param=param, code="invalid_context_extension") from None
+            raise invalid_settings(str(error), error.field) from None
 
-    def build_jobs(self, prompts: list[list[int]], body: SamplingFields, request_id: str, *, prompt_param: str,
+    def build_jobs(self, prompts: list[list[int]], body: SamplingFields, response_id: str, *, prompt_param: str,
                    logprobs: int | None = None, prompt_logprobs: int | None = None,
                    logprobs_param: str = "logprobs") -> list[Job]:
-        """Validated engine requests, one per prompt; raises APIError (400) on bad input."""
-        served = self.config.max_model_len
-        jobs = []
-        logprob_entries = 0
+        """Validated engine requests, one per prompt, answering ``response_id``; raises APIError
+        (400) on bad input."""
         fields = body.context_extension.fields() if body.context_extension else {}
+        jobs, entries = [], 0
         for index, prompt_ids in enumerate(prompts):
-            if not prompt_ids:
-                raise bad_request(f"{prompt_param}: the prompt is empty", param=prompt_param)
-            if len(prompt_ids) >= served:
-                raise bad_request(
-                    f"{prompt_param}: the prompt has {len(prompt_ids)} tokens; this server's maximum context is "
-                    f"{served} tokens (prompt + completion)", param=prompt_param, code="context_length_exceeded")
-            max_tokens = body.max_tokens if body.max_tokens is not None else served - len(prompt_ids)
-            if len(prompt_ids) + max_tokens > served:
-                raise bad_request(
-                    f"max_tokens: the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, "
-                    f"{len(prompt_ids) + max_tokens} in all; this server's maximum context is {served} tokens",
-                    param="max_tokens", code="context_length_exceeded")
-            if body.min_tokens > max_tokens:
-                raise bad_request(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})",
-                                  param="min_tokens")
-            vocabulary = self.engine.vllm_config.model_config.get_vocab_size()
-            if any(not 0 <= t < vocabulary for t in prompt_ids):
-                raise bad_request(f"{prompt_param}: token ids must be in [0, {vocabulary})", param=prompt_param)
-            if logprobs is not None:
-                logprob_entries += body.n * max_tokens * (logprobs + 1)
-            if prompt_logprobs is not None:
-                logprob_entries += len(prompt_ids) * (prompt_logprobs + 1)
-            if logprob_entries > self.config.max_logprob_entries:
-                raise bad_request(
-                    f"{logprobs_param}: this request asks for {logprob_entries} log-probabilities or more "
-                    f"(positions x choices x (top + 1)); the limit is {self.config.max_logprob_entries}: lower max_tokens, n or "
-                    f"{logprobs_param}", param=logprobs_param)
+            self.check_prompt_length(prompt_ids, prompt_param)
+            max_tokens = self.completion_limit(len(prompt_ids), body)
+            self.check_token_ids(prompt_ids, prompt_param)
+            entries += logprob_entries(body.n, max_tokens, len(prompt_ids), logprobs, prompt_logprobs)
+            self.check_logprob_budget(entries, logprobs_param)
             settings = self.resolve_settings(fields, len(prompt_ids), max_tokens)
             params = self.sampling_params(body, max_tokens, logprobs, prompt_logprobs)
             # settings are resolved and validated above: no fields left to override them
             prompt, params, settings = extension_request({"prompt_token_ids": prompt_ids}, params, None, settings)
-            jobs.append(Job(f"{request_id}-{index}", prompt_ids, params, settings, prompt))
+            jobs.append(Job(response_id, index, prompt_ids, params, settings, prompt))
         return jobs
+
+    def check_prompt_length(self, prompt_ids: list[int], param: str) -> None:
+        """At least one token, and room for one more in the served context."""
+        served = self.config.max_model_len
+        if not prompt_ids:
+            raise bad_request(f"{param}: the prompt is empty", param=param)
+        if len(prompt_ids) >= served:
+            raise context_length_exceeded(f"{param}: the prompt has {len(prompt_ids)} tokens; this server's maximum "
+                                          f"context is {served} tokens (prompt + completion)", param)
+
+    def completion_limit(self, prompt_tokens: int, body: SamplingFields) -> int:
+        """The request's max_tokens (by default the rest of the served context), checked to fit
+        with the prompt and to allow min_tokens."""
+        served = self.config.max_model_len
+        max_tokens = body.max_tokens if body.max_tokens is not None else served - prompt_tokens
+        if prompt_tokens + max_tokens > served:
+            raise context_length_exceeded(
+                f"max_tokens: the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                f"{prompt_tokens + max_tokens} in all; this server's maximum context is {served} tokens", "max_tokens")
+        if body.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})",
+                              param="min_tokens")
+        return max_tokens
+
+    def check_token_ids(self, prompt_ids: list[int], param: str) -> None:
+        vocabulary = self.engine.vllm_config.model_config.get_vocab_size()
+        if any(not 0 <= t < vocabulary for t in prompt_ids):
+            raise bad_request(f"{param}: token ids must be in [0, {vocabulary})", param=param)
+
+    def check_logprob_budget(self, entries: int, param: str) -> None:
+        """A request's log-probabilities (all its prompts') within ``--max-logprob-entries``."""
+        limit = self.config.max_logprob_entries
+        if entries > limit:
+            raise bad_request(f"{param}: this request asks for {entries} log-probabilities or more (positions x "
+                              f"choices x (top + 1)); the limit is {limit}: lower max_tokens, n or {param}", param=param)
 
     def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -268,8 +283,7 @@ class EngineService:
         capacity, 429 with Retry-After; a request that could never fit, 400 naming ``param``.
         Release the returned ticket when the request is done (idempotent)."""
         if count > self.capacity:
-            raise bad_request(f"{param}: this request needs {count} sequences (prompts x n); this server holds at "
-                              f"most {self.capacity} at once", param=param, code="request_too_large")
+            raise request_too_large(param, count, self.capacity)
         if self.in_flight + count > self.capacity:
             raise server_full(self.in_flight, self.capacity)
         self.in_flight += count
@@ -290,12 +304,12 @@ class EngineService:
             raise engine_unavailable("the engine died while serving this request; the server restarts") from None
 
 
-def engine_refusal(error: Exception) -> APIError:
-    """vLLM's refusal of a sampling value, as a 400 naming the API's field (vLLM names it, or
-    its message starts with it: "n must be 1 when using greedy sampling")."""
-    param = getattr(error, "parameter", None)
-    if not param:
-        first_word = str(error).split(" ", 1)[0]
-        param = first_word if first_word in SamplingFields.model_fields else None
-    param = API_PARAMS.get(param, param) if param else None
-    return bad_request(f"{param}: {error}" if param else str(error), param=param)
+def logprob_entries(n: int, max_tokens: int, prompt_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None) -> int:
+    """How many log-probabilities one prompt's job may return: positions x choices x (top + 1)."""
+    entries = 0
+    if logprobs is not None:
+        entries += n * max_tokens * (logprobs + 1)
+    if prompt_logprobs is not None:
+        entries += prompt_tokens * (prompt_logprobs + 1)
+    return entries

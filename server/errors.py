@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .schemas import ErrorBody, ErrorResponse
+from .schemas import ErrorBody, ErrorResponse, SamplingFields
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,51 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"the request body is larger than this server's limit of {limit} bytes")
 
 
+# ---- the catalogue: every error a route raises, by kind ------------------------------------
+
+# vLLM's parameter names, as the API calls them
+API_PARAMS = {"extra_args": "context_extension", "prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def context_length_exceeded(message: str, param: str) -> APIError:
+    """A prompt, or a prompt with its completion, longer than the served context."""
+    return bad_request(message, param=param, code="context_length_exceeded")
+
+
+def model_not_found(name: str, served: str) -> APIError:
+    return bad_request(f"model {name!r} is not served here; this server serves {served!r}", param="model",
+                       code="model_not_found")
+
+
+def invalid_settings(message: str, field: str | None) -> APIError:
+    """A context_extension value the settings refuse (``field`` is the settings field, if one)."""
+    param = f"context_extension.{field}" if field else "context_extension"
+    return bad_request(message, param=param, code="invalid_context_extension")
+
+
+def request_too_large(param: str, count: int, capacity: int) -> APIError:
+    """More sequences (prompts x n) than the server ever holds at once: retrying cannot help."""
+    return bad_request(f"{param}: this request needs {count} sequences (prompts x n); this server holds at most "
+                       f"{capacity} at once", param=param, code="request_too_large")
+
+
+def engine_refusal(error: Exception) -> APIError:
+    """vLLM's refusal of a sampling value, as a 400 naming the API's field (vLLM names it, or
+    its message starts with it: "n must be 1 when using greedy sampling")."""
+    param = getattr(error, "parameter", None)
+    if not param:
+        first_word = str(error).split(" ", 1)[0]
+        param = first_word if first_word in SamplingFields.model_fields else None
+    param = API_PARAMS.get(param, param) if param else None
+    return bad_request(f"{param}: {error}" if param else str(error), param=param)
+
+
+def invalid_api_key() -> APIError:
+    return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
 
 def server_full(in_flight: int, capacity: int) -> APIError:
@@ -89,6 +132,9 @@ def server_full(in_flight: int, capacity: int) -> APIError:
 
 def engine_unavailable(reason: str) -> APIError:
     return APIError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+
+
+# ---- the body ------------------------------------------------------------------------------
 
 
 def printable(message: str) -> str:

