@@ -142,6 +142,10 @@ class ChatMessage(BaseModel):
             return self.content or ""
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it: its role and its text."""
+        return {"role": self.role, "content": self.text()}
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -225,6 +229,9 @@ class TokenLogprob(TopLogprob):
 class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
+    def extend(self, more: "ChoiceLogprobs") -> None:
+        self.content = [*(self.content or []), *(more.content or [])]
+
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
@@ -274,6 +281,12 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
+
+    def extend(self, more: "CompletionLogprobs") -> None:
+        self.tokens += more.tokens
+        self.token_logprobs += more.token_logprobs
+        self.top_logprobs += more.top_logprobs
+        self.text_offset += more.text_offset
 
 
 class CompletionChoice(BaseModel):

@@ -53,7 +53,7 @@ async def tokenize(body: TokenizeRequest, service: EngineService = Depends(ready
     admission = service.admit(1, param="prompt")  # tokenizing a long text costs CPU like a request
     try:
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [message.for_template() for message in body.messages]
             tokens = await asyncio.to_thread(service.chat_prompt, messages, False)
         else:
             tokens = await asyncio.to_thread(service.encode_text, body.prompt, body.add_special_tokens, None)
