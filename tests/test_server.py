@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 import httpx
@@ -98,14 +99,16 @@ def assert_error_body(response: httpx.Response, status: int, param: str | None =
 # ---- the happy paths, with the official client ---------------------------------------------
 
 
-def test_chat_completion_answers_and_reports_usage_and_settings(client):
+def test_chat_completion_answers_and_reports_usage_and_settings(server, client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
-        max_tokens=24, extra_body={"context_extension": {"method": "rerope", "window": 1024}})
+        model=MODEL, messages=messages, temperature=0, max_tokens=24,
+        extra_body={"context_extension": {"method": "rerope", "window": 1024}})
     answer = raw.parse()
     assert "Paris" in answer.choices[0].message.content
-    assert answer.choices[0].finish_reason in ("stop", "length")
-    assert answer.usage.prompt_tokens > 10 and answer.usage.completion_tokens > 0
+    # greedy, the model answers in one short sentence and ends it itself, well before max_tokens
+    assert answer.choices[0].finish_reason == "stop" and 0 < answer.usage.completion_tokens < 24
+    assert answer.usage.prompt_tokens == post(server, "/tokenize", {"messages": messages}).json()["count"]
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
     applied = {"method": "rerope", "window": 1024}
     assert json.loads(raw.headers["x-context-extension"]) == applied
@@ -121,28 +124,40 @@ def test_completion_with_token_logprobs_and_echo(client):
     assert len(choice.logprobs.tokens) == prompt_tokens + answer.usage.completion_tokens
     assert choice.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
     assert "".join(choice.logprobs.tokens) == choice.text
+    # each token's offset in the text: the generated tokens' run on from the echoed prompt's
+    assert choice.logprobs.text_offset == [sum(map(len, choice.logprobs.tokens[:i]))
+                                           for i in range(len(choice.logprobs.tokens))]
 
 
 def test_streaming_chat_with_usage_matches_the_plain_answer(client):
-    plain = chat(client).choices[0].message.content
+    plain = chat(client)
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
                                             temperature=0, max_tokens=24, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == plain
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
-    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    # the finish comes once, on the last chunk with a choice
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == plain.choices[0].finish_reason and not any(finishes[:-1])
 
 
 def test_n_choices_seed_and_stop(client):
-    answer = client.completions.create(model=MODEL, prompt="List three colors:", max_tokens=12, temperature=0.8,
-                                       n=2, seed=7, stop=["\n\n"])
-    again = client.completions.create(model=MODEL, prompt="List three colors:", max_tokens=12, temperature=0.8,
-                                      n=2, seed=7, stop=["\n\n"])
-    assert [c.index for c in answer.choices] == [0, 1]
-    assert [c.text for c in answer.choices] == [c.text for c in again.choices]  # seeded
-    assert all("\n\n" not in c.text for c in answer.choices)
+    def sample(**stop):
+        return client.completions.create(model=MODEL, prompt="List three colors:", max_tokens=12, temperature=0.8,
+                                         n=2, seed=7, **stop).choices
+
+    answer, again, unstopped = sample(stop=["\n\n"]), sample(stop=["\n\n"]), sample()
+    assert [c.index for c in answer] == [0, 1]
+    assert [c.text for c in answer] == [c.text for c in again]  # seeded
+    # the same seed without the stop: at least one choice writes the stop string...
+    assert any("\n\n" in c.text for c in unstopped), [c.text for c in unstopped]
+    # ...and with it, that choice ends just before it, finishing on the stop; the others run on alike
+    for stopped, free in zip(answer, unstopped):
+        assert stopped.text == free.text.split("\n\n")[0]
+        assert stopped.finish_reason == ("stop" if "\n\n" in free.text else "length")
 
 
 def test_auto_is_plain_rope_inside_the_training_length_and_the_extension_beyond(client):
@@ -150,11 +165,15 @@ def test_auto_is_plain_rope_inside_the_training_length_and_the_extension_beyond(
     assert json.loads(inside.headers["x-context-extension"]) == {"method": "none"}
     # a pretend training length of 64 tokens: this request goes past it, so auto extends
     beyond = client.completions.with_raw_response.create(
-        model=MODEL, prompt="Hello " * 40, max_tokens=40, extra_body={"context_extension": {"method": "auto", "train_length": 64}})
+        model=MODEL, prompt="Hello " * 40, max_tokens=40,
+        extra_body={"context_extension": {"method": "auto", "train_length": 64}, "ignore_eos": True})
     # log-n scales by log(n) / log(train_length), so the applied settings name the training length too
     assert json.loads(beyond.headers["x-context-extension"]) == {"method": "rerope", "window": 16, "log_n": True,
                                                                  "train_length": 64}
-    assert beyond.parse().choices[0].text is not None
+    # and it generates there: 40 tokens of text, past the pretend training length
+    answer = beyond.parse()
+    assert answer.choices[0].text.strip() and answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 40 and answer.usage.prompt_tokens + 40 > 64
     # log-n comes with auto's extension (--auto-log-n) unless the request says otherwise
     without = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello " * 80, max_tokens=2,
@@ -166,8 +185,14 @@ def test_models_health_version_metrics_tokenize(server, client):
     card = client.models.list().data[0]
     assert card.id == MODEL and card.model_extra["max_model_len"] == 4096 and card.model_extra["train_length"] == 8192
     assert httpx.get(f"{server.base}/health").status_code == 200  # no key needed
-    assert "version" in httpx.get(f"{server.base}/version").json()
-    chat(client, max_tokens=4, extra_body={"context_extension": {"method": "rerope"}})
+    assert httpx.get(f"{server.base}/version").json()["version"] == package_version("rope-extend-server")
+    counted = ("rope_extend_requests_total", "rope_extend_prompt_tokens_total", "rope_extend_generation_tokens_total",
+               "rope_extend_time_to_first_token_seconds_count")
+    before = [metric_value(server, name, method="rerope") for name in counted]
+    usage = chat(client, max_tokens=4, extra_body={"context_extension": {"method": "rerope"}}).usage
+    # the request is counted under its method: once, with its tokens, and its first token timed
+    after = [metric_value(server, name, method="rerope") for name in counted]
+    assert [a - b for a, b in zip(after, before)] == [1, usage.prompt_tokens, usage.completion_tokens, 1]
     metrics = httpx.get(f"{server.base}/metrics").text
     for name in ("rope_extend_time_to_first_token_seconds", "rope_extend_inter_token_latency_seconds",
                  "rope_extend_e2e_request_latency_seconds", "rope_extend_prompt_tokens_total",
@@ -177,7 +202,8 @@ def test_models_health_version_metrics_tokenize(server, client):
     assert 'method="rerope"' in metrics
     tokens = httpx.post(f"{server.base}/tokenize", json={"prompt": "Hello world"},
                         headers={"Authorization": f"Bearer {API_KEY}"}).json()
-    assert tokens["count"] == len(tokens["tokens"]) > 0
+    prompt_tokens = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=1).usage.prompt_tokens
+    assert tokens["count"] == len(tokens["tokens"]) == prompt_tokens
 
 
 # ---- errors: status, OpenAI body, and the request next to it finishes ------------------------
@@ -283,6 +309,18 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine(server, client):
 LOADTEST = Path(sys.executable).parent / "rope-extend-loadtest"  # the installed command
 
 
+def assert_plotted(png: Path, width: int, height: int) -> None:
+    """A real PNG of that size with points plotted on it: colour (the markers), not only the
+    white, grey and black of axes and text."""
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert abs(image.shape[1] - width) <= 2 and abs(image.shape[0] - height) <= 2 and image.shape[2] in (3, 4)
+    rgb = image[..., :3]
+    coloured = (rgb.max(axis=-1) - rgb.min(axis=-1)) > 0.25
+    assert coloured.sum() > 50, "nothing plotted in colour"
+
+
 def test_load_test_tool_reports_a_run(server, tmp_path):
     out = tmp_path / "loadtest.json"  # where it writes by default: the directory it runs in
     command = [str(LOADTEST), "--url", server.base, "--requests", "4", "--concurrency", "2",
@@ -295,7 +333,8 @@ def test_load_test_tool_reports_a_run(server, tmp_path):
     assert all(r["output_tokens"] == 5 and r["prompt_tokens"] in (64, 300) for r in report["requests"])
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert 0 < report[name]["median"] <= report[name]["p99"]
-    assert out.with_suffix(".png").stat().st_size > 0 and "TTFT" in result.stdout
+    assert "TTFT" in result.stdout
+    assert_plotted(out.with_suffix(".png"), width=1210, height=462)  # 11 x 4.2 inches at 110 dpi
     refused = subprocess.run([str(LOADTEST), "--url", "http://example.com:8000"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "loopback" in refused.stderr
