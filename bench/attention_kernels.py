@@ -54,7 +54,8 @@ def vllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
-    from rope_plugins.attention import flash_attention, heads_first, merge_partials
+    from rope_plugins.ops.cpu import flash_attention, heads_first
+    from rope_plugins.ops.merge import merge_partials
 
     group = QUERY_HEADS // KV_HEADS
     q = heads_first(query)[None]
@@ -63,7 +64,7 @@ def torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if context:
         parts.append(flash_attention(q, heads_first(key[:context], group)[None],
                                      heads_first(value[:context], group)[None], SCALE))
-    return merge_partials(*zip(*parts))[0].transpose(0, 1)
+    return merge_partials(*zip(*parts))[0][0].transpose(0, 1)
 
 
 def markdown(report: dict) -> str:

@@ -100,7 +100,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
-    from rope_plugins.requests import engine_defaults
+    from rope_plugins.settings import engine_defaults
     from server.provision import provision_default_model
 
     model = str(provision_default_model())

@@ -9,6 +9,9 @@ style: keys are cached unrotated; prefill builds the two full score matrices (ro
 in memory); every decode step re-rotates the whole key cache by the clipped relative
 positions. The plugin runs the same prompt through vLLM. Both greedy, float32; the script
 checks the tokens are identical and writes bench/results/transformers_baseline.json.
+
+The baseline shares no rotary code with the plugin: it computes the checkpoint's plain RoPE
+frequencies itself and rotates with transformers' ``rotate_half``.
 """
 
 from __future__ import annotations
@@ -23,11 +26,18 @@ from pathlib import Path
 import torch
 
 from rope_plugins.reference import UnrotatedRotaryEmbedding
-from rope_plugins.rotary import rotate
 
 RESULTS = Path(__file__).parent / "results"
 ATTENTION_NAME = "rerope_reference_style"
 TARGET_SPEEDUP = 10  # the issue's target for the plugin against this baseline
+
+
+def rotate(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama rotation of ``x [..., d]`` by ``angle [..., d/2]``."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    angle = torch.cat((angle, angle), dim=-1)
+    return x * angle.cos().to(x.dtype) + rotate_half(x) * angle.sin().to(x.dtype)
 
 
 class ReferenceStyleReRoPE:
@@ -66,11 +76,10 @@ class ReferenceStyleReRoPE:
 def baseline_generate(model_dir: str, ids: list[int], new_tokens: int, window: int) -> tuple[list[int], float]:
     from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 
-    from rope_plugins.rotary import rope_inv_freq
-
     probe = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     config = probe.config
-    theta = rope_inv_freq(config.head_dim, float(config.rope_parameters["rope_theta"]))
+    base, pairs = float(config.rope_parameters["rope_theta"]), torch.arange(0, config.head_dim, 2, dtype=torch.float64)
+    theta = base ** (-pairs / config.head_dim)  # the checkpoint's plain RoPE, in float64
     AttentionInterface.register(ATTENTION_NAME, ReferenceStyleReRoPE(theta, window))
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation=ATTENTION_NAME)
     model.model.rotary_emb = UnrotatedRotaryEmbedding(config.head_dim)
@@ -89,7 +98,7 @@ def plugin_generate(model_dir: str, ids: list[int], new_tokens: int, window: int
     from vllm import LLM, SamplingParams
 
     from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
-    from rope_plugins.requests import engine_defaults
+    from rope_plugins.settings import engine_defaults
 
     max_len = 1 << (len(ids) + new_tokens).bit_length()
     compute_on_every_core()

@@ -206,7 +206,7 @@ CONTAINER="$(buildah from --name "rope-extend-run-$$" "$TAG")"
 MODELS="$WORK/models"
 mkdir -p "$MODELS" && chown 10001 "$MODELS"
 log "checking the C++ decode kernel in the image (built by install.sh, loaded as user 10001)"
-kernel="$(buildah run --isolation chroot "$CONTAINER" -- python -m rope_plugins.native 2>&1 | tail -1)"
+kernel="$(buildah run --isolation chroot "$CONTAINER" -- python -m rope_plugins.ops.native 2>&1 | tail -1)"
 [[ "$kernel" == "decode kernel: ready" ]] || die "$kernel"
 log "starting $CONTAINER on 127.0.0.1:$PORT (server log: $LOGS/server.log)"
 start=$(date +%s)

@@ -1,4 +1,4 @@
-"""Building a vLLM engine that serves with the plugin, and requests for it.
+"""The front end: building a vLLM engine that serves with the plugin, and requests for it.
 
 ``engine_kwargs`` is the one place that configures vLLM for the plugin: the architecture
 override, the engine's default settings (in the model config, passed down to every worker),
@@ -14,8 +14,9 @@ from typing import Any
 
 from vllm import SamplingParams
 
-from .requests import ARCHITECTURE, CONFIG_KEY, EXTRA_ARGS_KEY, RequestSettingsTracker, salted_prompt
-from .settings import ExtensionSettings, parse_settings
+from .plugin import ARCHITECTURE
+from .settings import CONFIG_KEY, EXTRA_ARGS_KEY, ExtensionSettings, parse_settings
+from .tracker import RequestSettingsTracker
 
 
 def checkpoint_train_length(model: str) -> int:
@@ -85,6 +86,13 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_mod
     })
     processors = [RequestSettingsTracker, *(engine.pop("logits_processors", None) or [])]
     return dict(model=model, hf_overrides=overrides, max_model_len=served, logits_processors=processors, **engine)
+
+
+def salted_prompt(prompt: dict[str, Any], settings: ExtensionSettings) -> dict[str, Any]:
+    """A prompt dict salted by the settings: no request reuses K/V made under other settings."""
+    user_salt = prompt.get("cache_salt")
+    salt = settings.canonical_hash() if not user_salt else f"{user_salt}:{settings.canonical_hash()}"
+    return {**prompt, "cache_salt": salt}
 
 
 def extension_request(prompt: dict[str, Any], params: SamplingParams, fields: dict[str, Any] | None,

@@ -7,8 +7,8 @@ processes that build it import it.
 
 from __future__ import annotations
 
-from .attention import BACKEND_NAME
-from .requests import ARCHITECTURE
+BACKEND_NAME = "ROPE_EXTEND"
+ARCHITECTURE = "RopeExtendLlamaForCausalLM"
 
 
 def register() -> None:

@@ -3,6 +3,15 @@
 For every method it builds the full matrix of effective relative positions, rotates each key
 explicitly by the angle its query sees it at, and runs a float64 causal softmax attention over
 the whole sequence with GQA. Every fast path is tested against this.
+
+It shares no code with what it checks (:mod:`rope_plugins.rotary`, :mod:`rope_plugins.methods`):
+every formula is transcribed here from its source, in Python floats: the seeds' digit
+equations for the NTK variants (seed 000, ``θ_m`` with ``m = 1 .. d/2``), position
+interpolation's ``θ / k``, YaRN's NTK-by-parts as its reference code defines it (the ramp
+between the correction dimensions of 32 and 1 rotations) with the temperature
+``sqrt(1/t) = 0.1 ln s + 1``, ReRoPE's and Leaky ReRoPE's positions (seed 003), log-n's
+``max(1, log_L n)``; the rotation is the complex product. The tests compare PI and YaRN with
+transformers' own rope initialisation too.
 """
 
 from __future__ import annotations
@@ -11,8 +20,83 @@ import math
 
 import torch
 
-from .rotary import effective_relative, inv_freq, query_scale, rotate
 from .settings import ExtensionSettings
+
+YARN_FAST_ROTATIONS, YARN_SLOW_ROTATIONS = 32, 1  # the YaRN paper's alpha / beta bounds (in rotations)
+
+
+def _ntk_frequencies(settings: ExtensionSettings, head_dim: int, base: float) -> list[float]:
+    """Seed 000: digit ``m = 1 .. d/2`` turns ``n / (β^(m-1) λ_1 ... λ_m)`` per position ``n``,
+    ``β = b^(2/d)``; old is base ``βλ`` with ``λ = k^(2/d)``, fixed divides old by ``λ`` once
+    more, mixed has ``λ_1 ... λ_m = exp(a m^b)`` with ``a (d/2)^b = ln k``."""
+    beta, k, digits = base ** (2 / head_dim), settings.factor, range(1, head_dim // 2 + 1)
+    lam = k ** (2 / head_dim)
+    if settings.method == "ntk_old":
+        return [1 / (beta * lam) ** (m - 1) for m in digits]
+    if settings.method == "ntk_fixed":
+        return [1 / (lam * (beta * lam) ** (m - 1)) for m in digits]
+    a = math.log(k) / (head_dim / 2) ** settings.beta
+    return [1 / (beta ** (m - 1) * math.exp(a * m**settings.beta)) for m in digits]
+
+
+def _yarn_frequencies(settings: ExtensionSettings, head_dim: int, base: float) -> list[float]:
+    """Pairs that turn more than 32 times over the training length keep their frequency,
+    pairs turning less than once are divided by ``s``, linearly in the pair index between."""
+    def correction_dimension(rotations: float) -> float:
+        return head_dim * math.log(settings.train_length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dimension(YARN_FAST_ROTATIONS)), 0)
+    high = min(math.ceil(correction_dimension(YARN_SLOW_ROTATIONS)), head_dim - 1)
+    high = high + 0.001 if high == low else high
+    frequencies = []
+    for i in range(head_dim // 2):
+        theta = base ** (-2 * i / head_dim)
+        interpolated = min(max((i - low) / (high - low), 0.0), 1.0)
+        frequencies.append(theta * (1 - interpolated) + theta / settings.factor * interpolated)
+    return frequencies
+
+
+def oracle_frequencies(settings: ExtensionSettings, head_dim: int, base: float) -> torch.Tensor:
+    """``θ`` of the method, ``[d/2]`` float64."""
+    if settings.method in ("ntk_old", "ntk_fixed", "ntk_mixed"):
+        frequencies = _ntk_frequencies(settings, head_dim, base)
+    elif settings.method == "yarn":
+        frequencies = _yarn_frequencies(settings, head_dim, base)
+    else:
+        divisor = settings.factor if settings.method == "pi" else 1.0
+        frequencies = [base ** (-2 * i / head_dim) / divisor for i in range(head_dim // 2)]
+    return torch.tensor(frequencies, dtype=torch.float64)
+
+
+def oracle_relative_position(settings: ExtensionSettings, distance: torch.Tensor) -> torch.Tensor:
+    """Seed 003: ReRoPE scores ``min(r, w)``; Leaky ReRoPE ``r`` below ``w`` and
+    ``w + (r - w) / k`` from it; every other method the true ``r``."""
+    distance = distance.double()
+    if settings.method == "rerope":
+        return torch.minimum(distance, torch.tensor(float(settings.window), dtype=torch.float64))
+    if settings.method == "leaky_rerope":
+        return torch.where(distance < settings.window, distance,
+                           settings.window + (distance - settings.window) / settings.leaky_k)
+    return distance
+
+
+def oracle_query_scale(settings: ExtensionSettings, positions: torch.Tensor) -> torch.Tensor:
+    """log-n (seed 000): ``max(1, log_L n)`` with ``n = m + 1`` tokens seen; YaRN: logits
+    divided by ``t`` with ``sqrt(1/t) = 0.1 ln s + 1``, i.e. the query times ``1/t``."""
+    temperature = (0.1 * math.log(settings.factor) + 1) ** -2 if settings.method == "yarn" else 1.0
+    return torch.tensor([max(1.0, math.log(m + 1) / math.log(settings.train_length)) / temperature if settings.log_n
+                         else 1 / temperature for m in positions.tolist()], dtype=torch.float64)
+
+
+def rotate(x: torch.Tensor, angle: torch.Tensor, neox_style: bool = True) -> torch.Tensor:
+    """Each pair of ``x[..., d]`` as a complex number times ``e^(i angle)``, ``angle [..., d/2]``
+    (broadcast): pairs ``(i, i + d/2)`` (neox style) or ``(2i, 2i + 1)``."""
+    half = x.shape[-1] // 2
+    real, imag = (x[..., :half], x[..., half:]) if neox_style else (x[..., 0::2], x[..., 1::2])
+    turned = torch.complex(real, imag) * torch.polar(torch.ones_like(angle), angle)
+    if neox_style:
+        return torch.cat((turned.real, turned.imag), dim=-1)
+    return torch.stack((turned.real, turned.imag), dim=-1).flatten(-2)
 
 
 def reference_attention(
@@ -42,8 +126,8 @@ def reference_attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
 
-    theta = inv_freq(settings, head_dim, base)  # [d/2]
-    scaled_query = query.double() * query_scale(settings, positions)[:, None, None]
+    theta = oracle_frequencies(settings, head_dim, base)  # [d/2]
+    scaled_query = query.double() * oracle_query_scale(settings, positions)[:, None, None]
     key64, value64 = key.double(), value.double()
     out = torch.empty(seq_len, q_heads, head_dim, dtype=torch.float64)
 
@@ -51,7 +135,7 @@ def reference_attention(
         rows = slice(start, start + query_rows_per_chunk)
         distance = positions[rows, None] - positions[None, :]  # [rows, seq], m - n
         causal = distance >= 0
-        relative = effective_relative(settings, distance.clamp(min=0))
+        relative = oracle_relative_position(settings, distance.clamp(min=0))
         angle = -relative[..., None] * theta  # key n as query m sees it: R(-rel) k_n
         seen_key = rotate(key64[None], angle[:, :, None, :], neox_style)  # [rows, seq, kv, d]
 

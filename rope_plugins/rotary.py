@@ -5,6 +5,7 @@ Notation (DESIGN.md): head dim ``d``, pair index ``i = 0 .. d/2-1``, base ``b``,
 
 Frequency methods change ``theta`` and keep positions; relative-position methods
 (ReRoPE, Leaky ReRoPE) keep ``theta`` and bend the relative position ``r = m - n``.
+Which method uses which formula: :mod:`rope_plugins.methods`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from .settings import ExtensionSettings
 
 # YaRN's NTK-by-parts ramp bounds (alpha, beta of the YaRN paper, in rotations over L_train).
 YARN_BETA_FAST = 32.0
@@ -75,60 +74,12 @@ def yarn_attention_factor(factor: float) -> float:
     return 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
 
 
-def inv_freq(settings: ExtensionSettings, head_dim: int, base: float) -> torch.Tensor:
-    """The frequency table a request rotates with, shape ``[d/2]``, float64."""
-    method, k = settings.method, settings.factor
-    if method in ("none", "rerope", "leaky_rerope"):
-        return rope_inv_freq(head_dim, base)
-    if method == "pi":
-        return pi_inv_freq(head_dim, base, k)
-    if method == "ntk_old":
-        return ntk_old_inv_freq(head_dim, base, k)
-    if method == "ntk_fixed":
-        return ntk_fixed_inv_freq(head_dim, base, k)
-    if method == "ntk_mixed":
-        return ntk_mixed_inv_freq(head_dim, base, k, settings.beta)
-    if method == "yarn":
-        return yarn_inv_freq(head_dim, base, k, settings.train_length)
-    raise ValueError(f"unknown method {method!r}")
-
-
-def rerope_relative(distance: torch.Tensor, window: int) -> torch.Tensor:
-    """ReRoPE: the relative position ``r`` clipped at the window, ``min(r, w)``."""
-    return distance.clamp(max=window)
-
-
-def leaky_rerope_relative(distance: torch.Tensor, window: int, leaky_k: float) -> torch.Tensor:
-    """Leaky ReRoPE: ``r`` inside the window, ``w + (r - w) / k`` beyond it."""
-    return torch.where(distance < window, distance, window + (distance - window) / leaky_k)
-
-
-def effective_relative(settings: ExtensionSettings, distance: torch.Tensor) -> torch.Tensor:
-    """The relative position a method scores ``r = m - n >= 0`` at (float64)."""
-    distance = distance.to(torch.float64)
-    if settings.method == "rerope":
-        return rerope_relative(distance, settings.window)
-    if settings.method == "leaky_rerope":
-        return leaky_rerope_relative(distance, settings.window, settings.leaky_k)
-    return distance
-
-
 def log_n_scale(positions: torch.Tensor, train_length: int | torch.Tensor) -> torch.Tensor:
     """The log-n query factor ``max(1, log(n) / log(L_train))`` for the token at 0-based
     position ``m``, with ``n = m + 1`` tokens seen (as the reference implementation does).
     ``train_length`` may be one length or one per position."""
     seen = positions.to(torch.float64) + 1
     return (seen.log() / torch.as_tensor(train_length, dtype=torch.float64).log()).clamp(min=1.0)
-
-
-def query_scale(settings: ExtensionSettings, positions: torch.Tensor) -> torch.Tensor:
-    """Per-token factor on the query: log-n and YaRN's temperature, shape like ``positions``."""
-    scale = torch.ones_like(positions, dtype=torch.float64)
-    if settings.log_n:
-        scale = scale * log_n_scale(positions, settings.train_length)
-    if settings.method == "yarn":
-        scale = scale * yarn_attention_factor(settings.factor) ** 2
-    return scale
 
 
 def rotate(x: torch.Tensor, angle: torch.Tensor, neox_style: bool = True) -> torch.Tensor:

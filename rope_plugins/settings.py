@@ -2,35 +2,29 @@
 
 The same object is built from server flags (the defaults), from a request's
 ``context_extension`` body field and from ``SamplingParams.extra_args``; a bad value
-raises :class:`SettingsError`, which names the field and says why.
+raises :class:`SettingsError`, which names the field and says why. The methods and the fields
+each one uses come from :data:`rope_plugins.methods.METHODS`.
+
+A request's settings travel in ``SamplingParams.extra_args[EXTRA_ARGS_KEY]``; the engine's
+defaults in the model config (``hf_config.rope_extension``), which every worker receives.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-Method = Literal["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope"]
-METHODS: tuple[str, ...] = get_args(Method)
-FREQUENCY_METHODS = frozenset({"none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn"})
-WINDOW_METHODS = frozenset({"rerope", "leaky_rerope"})
+from .methods import METHODS
 
-# Which fields change the computation, per method: the canonical form keeps only these, so two
-# settings that compute the same attention share one hash (and one prefix cache).
-_FIELDS_USED = {
-    "none": (),
-    "pi": ("factor",),
-    "ntk_old": ("factor",),
-    "ntk_fixed": ("factor",),
-    "ntk_mixed": ("factor", "beta"),
-    "yarn": ("factor", "train_length"),
-    "rerope": ("window",),
-    "leaky_rerope": ("window", "leaky_k"),
-}
+MethodName = Literal[tuple(METHODS)]
+METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
+
+EXTRA_ARGS_KEY = "context_extension"  # SamplingParams.extra_args key of a request's settings
+CONFIG_KEY = "rope_extension"  # hf_config attribute (set through hf_overrides): the engine's defaults
 
 
 # The largest training length (and so window) a setting may name: past any context served
@@ -62,7 +56,7 @@ class ExtensionSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
     train_length: int = Field(..., gt=1, le=MAX_POSITIONS)  # declared first: window is checked against it
-    method: Method = "none"
+    method: MethodName = "none"
     factor: float = Field(4.0, ge=1.0, le=1024.0)
     window: int | None = Field(None, gt=0, le=MAX_POSITIONS)
     leaky_k: float = Field(16.0, ge=1.0, le=MAX_LEAKY_K)
@@ -84,9 +78,10 @@ class ExtensionSettings(BaseModel):
         return self
 
     def canonical(self) -> dict[str, Any]:
-        """The fields that change the computation, in a fixed order."""
+        """The fields that change the computation, in a fixed order: two settings that compute
+        the same attention share one hash (and one prefix cache)."""
         form: dict[str, Any] = {"method": self.method}
-        for name in _FIELDS_USED[self.method]:
+        for name in METHODS[self.method].fields:
             form[name] = getattr(self, name)
         if self.log_n:
             form["log_n"] = True
@@ -101,6 +96,18 @@ class ExtensionSettings(BaseModel):
     @property
     def is_plain_rope(self) -> bool:
         return self.method == "none" and not self.log_n
+
+
+def engine_defaults(hf_config: Any) -> ExtensionSettings:
+    """The engine's default settings, from the model config the engine was built with."""
+    fields = dict(getattr(hf_config, CONFIG_KEY, None) or {})
+    fields.setdefault("train_length", hf_config.max_position_embeddings)
+    return ExtensionSettings.model_validate(fields)
+
+
+def rope_base(hf_config: Any) -> float:
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
 
 
 def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -> ExtensionSettings:
@@ -121,6 +128,18 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
         raise SettingsError(field, _readable(first)) from None
 
 
+def request_fields(params: Any) -> dict[str, Any] | None:
+    """A request's own (partial) settings, from its ``SamplingParams``."""
+    return (params.extra_args or {}).get(EXTRA_ARGS_KEY)
+
+
+def validate_request_fields(fields: Any) -> None:
+    """Check a request's fields on their own: wherever the model's training length is not
+    known, everything but ``window < train_length`` (checked where it is)."""
+    if fields is not None:
+        parse_settings(fields, ExtensionSettings(train_length=MAX_POSITIONS))
+
+
 def _shown(value: Any, limit: int = 60) -> str:
     """A value quoted in an error message, cut short: the message must not echo a huge input."""
     text = repr(value)
@@ -132,5 +151,5 @@ def _readable(error: dict[str, Any]) -> str:
     if error["type"] == "extra_forbidden":
         return f"unknown field; known fields are {', '.join(ExtensionSettings.model_fields)}"
     if error["type"] == "literal_error":
-        return f"unknown method {_shown(error['input'])}; choose one of {', '.join(METHODS)}"
+        return f"unknown method {_shown(error['input'])}; choose one of {', '.join(METHOD_NAMES)}"
     return f"{message} (got {_shown(error.get('input'))})" if "input" in error and error["type"] != "value_error" else message

@@ -57,5 +57,5 @@ fi
 echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"
 # torch builds it with ninja, which vLLM installs into the venv: put that on PATH, for a
 # machine (or an image) with no ninja of its own and the venv not activated.
-PATH="$(cd "$VENV" && pwd)/bin:$PATH" "$VENV/bin/python" -m rope_plugins.native
+PATH="$(cd "$VENV" && pwd)/bin:$PATH" "$VENV/bin/python" -m rope_plugins.ops.native
 echo "$want" > "$stamp"

@@ -61,3 +61,15 @@ def engine_defaults():
     from rope_plugins.settings import ExtensionSettings
 
     return ExtensionSettings(train_length=TRAIN_LENGTH, **ENGINE_DEFAULTS)
+
+
+# Tests that start an engine or a server process take a minute or more: `-m "not slow"` skips
+# them (the unit tests then run in seconds); `make test` runs everything.
+ENGINE_FIXTURES = frozenset({"full_engine", "chunked_engine", "reference_model", "tensor_parallel_engine", "server"})
+SERVER_MODULES = frozenset({"test_server", "test_server_robustness", "test_plugin_engine", "test_tensor_parallel"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in SERVER_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -45,13 +45,9 @@ class ReferenceModel:
         logprobs = self.logits(token_ids, settings).log_softmax(-1)
         return logprobs[:-1].gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
 
-    def continuation_logprobs(self, token_ids: list[int], generated: list[int], settings: ExtensionSettings) -> torch.Tensor:
-        """log p(generated_j | token_ids + generated_<j)."""
+    def continuation(self, token_ids: list[int], generated: list[int],
+                     settings: ExtensionSettings) -> tuple[torch.Tensor, list[int]]:
+        """In one forward over ``token_ids + generated``: log p(generated_j | all before it),
+        and the greedy choice after each prefix (what greedy decoding picks at step j)."""
         logprobs = self.logits(token_ids + generated, settings).log_softmax(-1)[len(token_ids) - 1: -1]
-        return logprobs.gather(1, torch.tensor(generated)[:, None])[:, 0]
-
-    def greedy(self, token_ids: list[int], settings: ExtensionSettings, steps: int) -> list[int]:
-        tokens = list(token_ids)
-        for _ in range(steps):
-            tokens.append(int(self.logits(tokens, settings)[-1].argmax()))
-        return tokens[len(token_ids):]
+        return logprobs.gather(1, torch.tensor(generated)[:, None])[:, 0], logprobs.argmax(-1).tolist()

@@ -1,5 +1,6 @@
 """The attention backend's paths on a hand-made paged cache, against the oracle:
-the C++ decode kernel, the PyTorch decode path, and prefill from a cached context."""
+the C++ decode kernel, the PyTorch decode path, and prefill from a cached context; and the
+log-sum-exp merge (rope_plugins/attention.py, planner.py, ops/)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rope_plugins.attention import RopeExtendAttentionImpl, RopeExtendMetadataBuilder
-from rope_plugins.native import decode_kernel
+from rope_plugins.attention import RopeExtendAttentionImpl
+from rope_plugins.ops import cpu, native
+from rope_plugins.ops.merge import merge_partials
+from rope_plugins.planner import StepPlanner
 from rope_plugins.reference import reference_attention
-from rope_plugins.requests import RowTables, row_values
 from rope_plugins.settings import ExtensionSettings
+from rope_plugins.tracker import RowTables, row_values
+
+# Where a C++ compiler exists the kernel must build: a failed build fails these tests.
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
 
 BASE, TRAIN, D, KV, GROUP, BLOCK = 10000.0, 64, 32, 2, 3, 16
 ROWS = [  # (settings, context length before this step, query tokens this step)
@@ -33,6 +39,12 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="leaky_rerope", window=5, leaky_k=3.0, train_length=TRAIN), 3, 40),
     (ExtensionSettings(method="rerope", window=1, train_length=TRAIN), 0, 12),
     (ExtensionSettings(method="rerope", window=30, train_length=TRAIN), 10, 7),
+    # decode rows of every frequency method (one far table each, the query at its true angle)
+    (ExtensionSettings(method="none", train_length=TRAIN), 200, 1),
+    (ExtensionSettings(method="pi", factor=4.0, train_length=TRAIN), 130, 1),
+    (ExtensionSettings(method="ntk_old", factor=8.0, train_length=TRAIN), 99, 1),
+    (ExtensionSettings(method="ntk_fixed", factor=4.0, log_n=True, train_length=TRAIN), 180, 1),
+    (ExtensionSettings(method="yarn", factor=4.0, train_length=TRAIN), 260, 1),
 ]
 PREFILL_TILE = 8
 
@@ -59,11 +71,9 @@ def make_step(seed=0):
     tables = RowTables(len(ROWS), D // 2)
     for r, (settings, _, _) in enumerate(ROWS):
         tables.write(r, row_values(settings, D, BASE))
-    builder = object.__new__(RopeExtendMetadataBuilder)  # the planning methods need only these
-    builder.block_size, builder.group, builder.dtype = BLOCK, GROUP, torch.float32
-    builder.prefill_tile, builder.far_tables = PREFILL_TILE, {}
+    planner = StepPlanner(block_size=BLOCK, dtype=torch.float32, prefill_tile=PREFILL_TILE)
     starts = torch.tensor([0] + [new for _, _, new in ROWS]).cumsum(0)
-    meta = builder.plan(tables, starts, torch.tensor(lengths), block_table, torch.cat(slots))
+    meta = planner.plan(tables, starts, torch.tensor(lengths), block_table, torch.cat(slots))
     query = torch.cat([q[-new:] for (q, _, _), (_, _, new) in zip(sequences, ROWS)])
     key = torch.cat([k[-new:] for (_, k, _), (_, _, new) in zip(sequences, ROWS)])
     value = torch.cat([v[-new:] for (_, _, v), (_, _, new) in zip(sequences, ROWS)])
@@ -77,33 +87,39 @@ def expected_outputs(sequences, starts):
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp-kernel", "pytorch"])
+@pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=needs_compiler), False], ids=["cpp-kernel", "pytorch"])
 def test_step_matches_oracle(use_kernel):
-    if use_kernel and decode_kernel() is None:
-        pytest.skip("no compiler for the C++ kernel here")
     cache, meta, sequences, query, key, value, starts = make_step()
     impl = RopeExtendAttentionImpl(KV * GROUP, D, D**-0.5, KV, None, None, "auto")
     impl.use_kernel = use_kernel
     output = torch.empty_like(query)
     impl.forward(None, query, key, value, cache, meta, output)
-    expected = expected_outputs(sequences, starts).float()
-    assert (output - expected).abs().max().item() < 2e-5
+    torch.testing.assert_close(output, expected_outputs(sequences, starts).float(), rtol=0, atol=2e-5)
 
 
+@needs_compiler
 def test_the_kernel_is_built_to_run_its_chunks_in_parallel():
     """Without OpenMP at build time ATen's parallel_for runs every chunk on one core."""
-    kernel = decode_kernel()
-    if kernel is None:
-        pytest.skip("no compiler for the C++ kernel here")
-    assert b"GOMP_parallel" in Path(kernel.__file__).read_bytes()
+    assert b"GOMP_parallel" in Path(native.decode_kernel().__file__).read_bytes()
 
 
-def test_kernel_equals_pytorch_decode_bit_for_bit_close():
-    if decode_kernel() is None:
-        pytest.skip("no compiler for the C++ kernel here")
+@needs_compiler
+def test_kernel_equals_pytorch_decode():
     cache, meta, _, query, _, _, _ = make_step(seed=3)
-    impl = RopeExtendAttentionImpl(KV * GROUP, D, D**-0.5, KV, None, None, "auto")
-    decode_query = query[meta.decode_tokens]
-    fast = impl.decode(decode_query, cache, meta)
-    reference = impl.decode_reference(decode_query, cache, meta)
-    assert (fast - reference).abs().max().item() < 1e-5
+    decode_query = query[meta.decode.tokens]
+    fast = cpu.decode(decode_query, cache, meta.decode, meta.query, scale=D**-0.5)
+    reference = cpu.decode_torch(decode_query, cache, meta.decode, meta.query, scale=D**-0.5)
+    torch.testing.assert_close(fast, reference, rtol=0, atol=1e-5)
+
+
+def test_merge_of_parts_equals_one_softmax_and_survives_a_query_with_no_keys():
+    generator = torch.Generator().manual_seed(5)
+    scores, values = torch.randn(3, 10, generator=generator), torch.randn(10, 4, generator=generator)
+    scores[2] = float("-inf")  # a padded query: no key in any part
+    parts = [(0, 4), (4, 10)]
+    outs = [torch.nan_to_num(scores[:, a:b].softmax(-1)) @ values[a:b] for a, b in parts]
+    lses = [scores[:, a:b].logsumexp(-1) for a, b in parts]
+    merged, lse = merge_partials(outs, lses)
+    torch.testing.assert_close(merged[:2], scores[:2].softmax(-1) @ values)
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
+    assert torch.equal(merged[2], torch.zeros(4)) and lse[2] == float("-inf")

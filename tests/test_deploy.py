@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rope_plugins.native import MARCH_ENV
+from rope_plugins.ops.native import MARCH_ENV
 from server.config import ServerConfig, env_name
 from server.provision import CACHE_ENV
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -40,10 +41,20 @@ def prompt(seed: int, length: int = PROMPT_LENGTH) -> list[int]:
     return [generator.randrange(3, 256) for _ in range(length)]
 
 
-def run(llm, requests, defaults, max_tokens=NEW_TOKENS, prompt_logprobs=True):
-    """requests: [(token_ids, fields)] in one generate call -> [(logprobs, tokens, output)]:
-    the prompt's logprobs, or (``prompt_logprobs=False``, which lets vLLM read the prefix
-    cache) the logprobs of the generated tokens."""
+@dataclass
+class Generation:
+    """One request's answer: its tokens, their log-probabilities, the prompt's (when asked)."""
+
+    tokens: list[int]
+    logprobs: torch.Tensor  # [tokens] float64
+    prompt_logprobs: torch.Tensor | None  # [prompt - 1]
+    cached_tokens: int  # prompt tokens read from the prefix cache
+
+
+def run(llm, requests, defaults, max_tokens=NEW_TOKENS, prompt_logprobs=True, salted=True) -> list[Generation]:
+    """requests: [(token_ids, fields)] in one generate call. ``prompt_logprobs`` makes vLLM
+    skip reading the prefix cache; ``salted=False`` drops the settings' cache salt (only the
+    negative control does that)."""
     from vllm import SamplingParams
 
     from rope_plugins.engine import extension_request
@@ -51,25 +62,35 @@ def run(llm, requests, defaults, max_tokens=NEW_TOKENS, prompt_logprobs=True):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=0 if prompt_logprobs else None,
                             logprobs=0, ignore_eos=True)
     built = [extension_request({"prompt_token_ids": ids}, params, fields, defaults) for ids, fields in requests]
-    outputs = llm.generate([p for p, _, _ in built], [sp for _, sp, _ in built], use_tqdm=False)
+    prompts = [p if salted else {"prompt_token_ids": p["prompt_token_ids"]} for p, _, _ in built]
+    outputs = llm.generate(prompts, [sp for _, sp, _ in built], use_tqdm=False)
     results = []
     for (ids, _), output in zip(requests, outputs):
-        generated = list(output.outputs[0].token_ids)
+        tokens = list(output.outputs[0].token_ids)
+        logprobs = [entry[token].logprob for entry, token in zip(output.outputs[0].logprobs, tokens)]
+        prompt = None
         if prompt_logprobs:
-            logprobs = [entry[ids[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])]
-        else:
-            logprobs = [entry[token].logprob for entry, token in zip(output.outputs[0].logprobs, generated)]
-        results.append((torch.tensor(logprobs, dtype=torch.float64), generated, output))
+            prompt = torch.tensor([entry[ids[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])],
+                                  dtype=torch.float64)
+        results.append(Generation(tokens=tokens, logprobs=torch.tensor(logprobs, dtype=torch.float64),
+                                  prompt_logprobs=prompt, cached_tokens=output.num_cached_tokens or 0))
     return results
 
 
-def assert_matches_oracle(result, ids, fields, reference_model, defaults):
+def assert_close_logprobs(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=LOGPROB_TOLERANCE, msg=lambda m: f"{what}: {m}")
+
+
+def assert_matches_oracle(result: Generation, ids, fields, reference_model, defaults):
+    """The prompt's log-probabilities (when asked), every generated token's log-probability,
+    and greedy's choice at every step, against the float64 oracle."""
     settings = parse_settings(fields, defaults)
-    logprobs, tokens, _ = result
-    expected = reference_model.prompt_logprobs(ids, settings)
-    gap = (logprobs - expected).abs().max().item()
-    assert gap < LOGPROB_TOLERANCE, f"{fields}: prompt logprobs differ by {gap}"
-    assert tokens == reference_model.greedy(ids, settings, NEW_TOKENS), fields
+    if result.prompt_logprobs is not None:
+        assert_close_logprobs(result.prompt_logprobs, reference_model.prompt_logprobs(ids, settings),
+                              f"{fields} prompt")
+    expected, greedy = reference_model.continuation(ids, result.tokens, settings)
+    assert result.tokens == greedy, fields
+    assert_close_logprobs(result.logprobs, expected, f"{fields} decode")
 
 
 @pytest.mark.parametrize("fields", METHODS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
@@ -91,35 +112,43 @@ def test_chunked_prefill_matches_one_full_prefill(full_engine, chunked_engine, r
     chunked = run(chunked_engine, requests, engine_defaults)
     full = run(full_engine, requests, engine_defaults)
     for (chunk_result, full_result), (ids, fields) in zip(zip(chunked, full), requests):
-        assert (chunk_result[0] - full_result[0]).abs().max().item() < LOGPROB_TOLERANCE
-        assert chunk_result[1] == full_result[1]
+        assert_close_logprobs(chunk_result.prompt_logprobs, full_result.prompt_logprobs, f"{fields} chunked")
+        assert chunk_result.tokens == full_result.tokens
         assert_matches_oracle(chunk_result, ids, fields, reference_model, engine_defaults)
 
 
 @pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine"])
 def test_prefix_cache_never_crosses_settings(request, engine_name, reference_model, engine_defaults):
+    """Every run here reads the prefix cache (no prompt log-probabilities). A prompt cached
+    under A is not reused under B, and B's answer is B's; B's own blocks are reused and change
+    nothing; and the negative control: without the salt, B does reuse A's blocks and answers
+    differently, so a salt that failed would show."""
     llm = request.getfixturevalue(engine_name)
     seed = 300 if engine_name == "full_engine" else 400
-    ids = prompt(seed)
     setting_a, setting_b = {"method": "rerope", "window": 40}, {"method": "ntk_mixed", "factor": 4.0}
-    run(llm, [(ids, setting_a)], engine_defaults)
-    [b_after_a] = run(llm, [(ids, setting_b)], engine_defaults)
-    assert not b_after_a[2].num_cached_tokens, "a request reused blocks computed under other settings"
+    ids = prompt(seed)
+    [a_first] = run(llm, [(ids, setting_a)], engine_defaults, prompt_logprobs=False)
+    assert a_first.cached_tokens == 0, "the prompt is new to this engine"
+    [b_after_a] = run(llm, [(ids, setting_b)], engine_defaults, prompt_logprobs=False)
+    assert b_after_a.cached_tokens == 0, "a request reused blocks computed under other settings"
     assert_matches_oracle(b_after_a, ids, setting_b, reference_model, engine_defaults)
-    # the same settings share their prefix, and the hit changes nothing (prompt logprobs
-    # would make vLLM skip the cache, so these compare the generated tokens' logprobs)
-    [b_fresh] = run(llm, [(ids + [7], setting_b)], engine_defaults, prompt_logprobs=False)
-    [b_hit] = run(llm, [(ids + [7], setting_b)], engine_defaults, prompt_logprobs=False)
-    assert b_hit[2].num_cached_tokens >= 512
-    assert (b_hit[0] - b_fresh[0]).abs().max().item() < LOGPROB_TOLERANCE and b_hit[1] == b_fresh[1]
+    [b_hit] = run(llm, [(ids, setting_b)], engine_defaults, prompt_logprobs=False)
+    assert b_hit.cached_tokens >= 512
+    assert_close_logprobs(b_hit.logprobs, b_after_a.logprobs, "cache hit")
+    assert b_hit.tokens == b_after_a.tokens
     # a longer prompt on a cached prefix: prefill starts from a cached context
-    longer = ids + [7] + prompt(seed + 1, 150)
+    longer = ids + prompt(seed + 1, 150)
     [extended] = run(llm, [(longer, setting_b)], engine_defaults, prompt_logprobs=False)
-    assert extended[2].num_cached_tokens >= 512
-    settings = parse_settings(setting_b, engine_defaults)
-    assert extended[1] == reference_model.greedy(longer, settings, NEW_TOKENS)
-    expected = reference_model.continuation_logprobs(longer, extended[1], settings)
-    assert (extended[0] - expected).abs().max().item() < LOGPROB_TOLERANCE
+    assert extended.cached_tokens >= 512
+    assert_matches_oracle(extended, longer, setting_b, reference_model, engine_defaults)
+
+    control = prompt(seed + 2)
+    run(llm, [(control, setting_a)], engine_defaults, prompt_logprobs=False, salted=False)
+    [crossed] = run(llm, [(control, setting_b)], engine_defaults, prompt_logprobs=False, salted=False)
+    assert crossed.cached_tokens >= 512, "unsalted, the same tokens share their blocks"
+    expected, _ = reference_model.continuation(control, crossed.tokens, parse_settings(setting_b, engine_defaults))
+    assert (crossed.logprobs - expected).abs().max().item() > 100 * LOGPROB_TOLERANCE, \
+        "A's keys under B's rule went unnoticed: this test could not catch a salt that failed"
 
 
 def test_none_equals_stock_vllm_llama(tiny_llama_dir, full_engine, engine_defaults):
@@ -133,9 +162,10 @@ def test_none_equals_stock_vllm_llama(tiny_llama_dir, full_engine, engine_defaul
         stock_out = stock.generate([{"prompt_token_ids": ids} for ids, _ in requests], params, use_tqdm=False)
         plugin = run(full_engine, requests, engine_defaults)
         for (ids, _), theirs, ours in zip(requests, stock_out, plugin):
-            stock_logprobs = torch.tensor([e[ids[i + 1]].logprob for i, e in enumerate(theirs.prompt_logprobs[1:])], dtype=torch.float64)
-            assert (stock_logprobs - ours[0]).abs().max().item() < 1e-4
-            assert list(theirs.outputs[0].token_ids) == ours[1]
+            stock_logprobs = torch.tensor([e[ids[i + 1]].logprob for i, e in enumerate(theirs.prompt_logprobs[1:])],
+                                          dtype=torch.float64)
+            torch.testing.assert_close(ours.prompt_logprobs, stock_logprobs, rtol=0, atol=1e-4)
+            assert list(theirs.outputs[0].token_ids) == ours.tokens
         # K and V planes only: the same cache memory holds as many blocks as stock vLLM's
         stock_blocks = stock.llm_engine.vllm_config.cache_config.num_gpu_blocks
         assert full_engine.llm_engine.vllm_config.cache_config.num_gpu_blocks == stock_blocks
@@ -154,7 +184,7 @@ def test_bad_settings_are_refused_and_the_engine_goes_on(full_engine, engine_def
         full_engine.generate([{"prompt_token_ids": prompt(9, 20)}], params, use_tqdm=False)
     assert caught.value.parameter == f"context_extension.{field}"
     [ok] = run(full_engine, [(prompt(9, 20), None)], engine_defaults, max_tokens=2)
-    assert len(ok[1]) == 2
+    assert len(ok.tokens) == 2
 
 
 def test_serving_past_training_length_needs_a_method(tiny_llama_dir):

@@ -1,26 +1,26 @@
-"""Every method's frequency table against hand calculations and the seeds' identities."""
+"""The rotary formulas and the methods table (rope_plugins/rotary.py, rope_plugins/methods.py)
+against hand calculations, the seeds' identities, transformers' own rope initialisation and
+the oracle's independent transcriptions."""
 
 import math
 
 import pytest
 import torch
 
+from rope_plugins.methods import METHODS, inv_freq
+from rope_plugins.reference import oracle_frequencies
 from rope_plugins.rotary import (
-    effective_relative,
-    inv_freq,
-    leaky_rerope_relative,
     log_n_scale,
     ntk_fixed_inv_freq,
     ntk_mixed_inv_freq,
     pi_inv_freq,
-    query_scale,
-    rerope_relative,
     rope_inv_freq,
     rotate,
     yarn_attention_factor,
     yarn_inv_freq,
 )
 from rope_plugins.settings import ExtensionSettings
+from rope_plugins.tracker import row_values
 
 # d = 8, b = 10000, k = 4: theta_i = 10000^(-i/4) = 1, 0.1, 0.01, 0.001 (worked by hand).
 D, BASE, K = 8, 10000.0, 4.0
@@ -41,20 +41,62 @@ def test_frequencies_match_hand_calculation(method):
     settings = ExtensionSettings(method=method, factor=K, beta=0.5, train_length=512)
     got = inv_freq(settings, D, BASE)
     assert got.dtype == torch.float64
-    assert got.tolist() == pytest.approx(HAND[method], rel=1e-12)
+    torch.testing.assert_close(got, torch.tensor(HAND[method], dtype=torch.float64), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("method", ["rerope", "leaky_rerope"])
 def test_relative_methods_keep_plain_frequencies(method):
     settings = ExtensionSettings(method=method, factor=K, train_length=512)
-    assert inv_freq(settings, D, BASE).tolist() == pytest.approx(HAND["none"], rel=1e-12)
+    torch.testing.assert_close(inv_freq(settings, D, BASE), torch.tensor(HAND["none"], dtype=torch.float64),
+                               rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("head_dim,base,factor,beta,train_length", [
+    (64, 100000.0, 4.0, 0.625, 8192), (128, 500000.0, 16.0, 0.3, 4096), (8, 10000.0, 2.5, 0.9, 256)])
+def test_the_table_equals_the_oracle_transcriptions(method, head_dim, base, factor, beta, train_length):
+    settings = ExtensionSettings(method=method, factor=factor, beta=beta, train_length=train_length)
+    torch.testing.assert_close(inv_freq(settings, head_dim, base), oracle_frequencies(settings, head_dim, base),
+                               rtol=1e-12, atol=0)
+
+
+def transformers_rope(rope_type: str, head_dim: int, base: float, **parameters) -> tuple[torch.Tensor, float]:
+    """transformers' own frequencies (float32) and attention factor for one rope type."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=head_dim * 8, num_attention_heads=8, head_dim=head_dim,
+                         max_position_embeddings=round(parameters.get("original_max_position_embeddings", 2048)
+                                                       * parameters["factor"]),
+                         rope_parameters={"rope_type": rope_type, "rope_theta": base, **parameters})
+    frequencies, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return frequencies.double(), float(attention_factor)
+
+
+@pytest.mark.parametrize("head_dim,base,factor,train_length", [(128, 10000.0, 8.0, 4096), (64, 100000.0, 3.0, 8192),
+                                                               (16, 10000.0, 4.0, 64)])
+def test_pi_and_yarn_rows_equal_transformers(head_dim, base, factor, train_length):
+    """Through the table and the worker's row values (so YaRN's train_length is the
+    setting's): frequencies to float32 precision, YaRN's query factor = the square of
+    transformers' attention factor (which it puts on q and k alike)."""
+    pi = ExtensionSettings(method="pi", factor=factor, train_length=train_length)
+    theirs, _ = transformers_rope("linear", head_dim, base, factor=factor)
+    torch.testing.assert_close(row_values(pi, head_dim, base).theta, theirs, rtol=1e-6, atol=0)
+    yarn = ExtensionSettings(method="yarn", factor=factor, train_length=train_length)
+    theirs, attention_factor = transformers_rope("yarn", head_dim, base, factor=factor,
+                                                 original_max_position_embeddings=train_length)
+    ours = row_values(yarn, head_dim, base)
+    torch.testing.assert_close(ours.theta, theirs, rtol=1e-6, atol=0)
+    assert ours.query_factor == pytest.approx(attention_factor**2, rel=1e-12)
 
 
 @pytest.mark.parametrize("head_dim,base,factor", [(64, 100000.0, 4.0), (128, 10000.0, 16.0), (8, 500000.0, 2.5)])
 def test_ntk_mixed_identities_of_the_seed(head_dim, base, factor):
     # beta = 1 is ntk_fixed, beta = 0 is position interpolation
-    assert torch.allclose(ntk_mixed_inv_freq(head_dim, base, factor, 1.0), ntk_fixed_inv_freq(head_dim, base, factor), rtol=1e-12)
-    assert torch.allclose(ntk_mixed_inv_freq(head_dim, base, factor, 0.0), pi_inv_freq(head_dim, base, factor), rtol=1e-12)
+    torch.testing.assert_close(ntk_mixed_inv_freq(head_dim, base, factor, 1.0), ntk_fixed_inv_freq(head_dim, base, factor),
+                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(ntk_mixed_inv_freq(head_dim, base, factor, 0.0), pi_inv_freq(head_dim, base, factor),
+                               rtol=1e-12, atol=0)
     # every beta extends the lowest frequency by exactly k (lambda_1 ... lambda_{d/2} = k)
     for beta in (0.25, 0.625, 0.9):
         ratio = rope_inv_freq(head_dim, base)[-1] / ntk_mixed_inv_freq(head_dim, base, factor, beta)[-1]
@@ -75,41 +117,35 @@ def test_yarn_by_hand():
     theta = rope_inv_freq(128, 10000.0)
     yarn = yarn_inv_freq(128, 10000.0, 8.0, 4096)
     assert torch.equal(yarn[:21], theta[:21])
-    assert torch.allclose(yarn[46:], theta[46:] / 8, rtol=1e-12)
+    torch.testing.assert_close(yarn[46:], theta[46:] / 8, rtol=1e-12, atol=0)
     assert float(yarn[33]) == pytest.approx(float(theta[33]) * (0.5 + 0.5 / 8), rel=1e-12)
     assert yarn_attention_factor(8.0) == pytest.approx(0.1 * math.log(8) + 1)
     assert yarn_attention_factor(1.0) == 1.0
 
 
-def test_yarn_matches_transformers():
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import _compute_yarn_parameters
-
-    config = transformers.LlamaConfig(
-        hidden_size=1024, num_attention_heads=8, head_dim=128, max_position_embeddings=32768,
-        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0},
-    )
-    theirs, attention_factor = _compute_yarn_parameters(config)
-    assert torch.allclose(theirs.double(), yarn_inv_freq(128, 10000.0, 8.0, 4096), rtol=1e-6)
-    assert attention_factor == pytest.approx(yarn_attention_factor(8.0))
+@pytest.mark.parametrize("fields,window,leak", [
+    ({"method": "rerope", "window": 5}, 5, 0.0), ({"method": "leaky_rerope", "window": 7, "leaky_k": 4.0}, 7, 0.25),
+    *[({"method": method}, 0, 1.0) for method in ("none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn")]])
+def test_position_rules(fields, window, leak):
+    """Near window w and leak ρ: ReRoPE clips at w (ρ = 0), Leaky ReRoPE leaks 1/k, the
+    frequency methods have no window and keep every position (ρ = 1)."""
+    values = row_values(ExtensionSettings(train_length=64, **fields), 8, BASE)
+    assert (values.window, values.leak) == (window, leak)
 
 
-def test_rerope_and_leaky_relative_positions():
-    distance = torch.arange(10, dtype=torch.float64)
-    assert rerope_relative(distance, 4).tolist() == [0, 1, 2, 3, 4, 4, 4, 4, 4, 4]
-    assert leaky_rerope_relative(distance, 4, 2.0).tolist() == [0, 1, 2, 3, 4, 4.5, 5, 5.5, 6, 6.5]
-    assert torch.equal(leaky_rerope_relative(distance, 4, 1.0), distance)
-    settings = ExtensionSettings(method="rerope", window=3, train_length=16)
-    assert effective_relative(settings, distance.long()).max() == 3
+def test_the_canonical_form_holds_exactly_the_fields_a_method_uses():
+    for name, method in METHODS.items():
+        settings = ExtensionSettings(method=name, train_length=512)
+        assert list(settings.canonical()) == ["method", *method.fields]
 
 
 def test_log_n_factor():
     positions = torch.tensor([0, 10, 511, 512, 1023, 4095])
     got = log_n_scale(positions, 512)
     expected = [1, 1, 1, math.log(513) / math.log(512), math.log(1024) / math.log(512), 12 / 9]
-    assert got.tolist() == pytest.approx(expected, rel=1e-12)
-    with_yarn = query_scale(ExtensionSettings(method="yarn", factor=4.0, log_n=True, train_length=512), positions)
-    assert with_yarn.tolist() == pytest.approx([e * (0.1 * math.log(4) + 1) ** 2 for e in expected])
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    yarn = row_values(ExtensionSettings(method="yarn", factor=4.0, log_n=True, train_length=512), 8, BASE)
+    assert yarn.query_factor == pytest.approx((0.1 * math.log(4) + 1) ** 2) and yarn.log_n_length == 512
 
 
 @pytest.mark.parametrize("neox_style", [True, False])
@@ -124,4 +160,5 @@ def test_rotate_is_complex_multiplication(neox_style):
     expected = torch.complex(real, imag) * torch.polar(torch.ones_like(angle), angle)
     got = rotate(x, angle, neox_style)
     got_real, got_imag = (got[:, :4], got[:, 4:]) if neox_style else (got[:, 0::2], got[:, 1::2])
-    assert torch.allclose(got_real, expected.real) and torch.allclose(got_imag, expected.imag)
+    torch.testing.assert_close(got_real, expected.real)
+    torch.testing.assert_close(got_imag, expected.imag)

@@ -11,9 +11,9 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
-from rope_plugins import requests
-from rope_plugins.requests import EXTRA_ARGS_KEY, ROW_VALUES_CACHE_SIZE, RequestSettingsTracker, cached_row_values
-from rope_plugins.settings import ExtensionSettings
+from rope_plugins import tracker as tracker_module
+from rope_plugins.settings import EXTRA_ARGS_KEY, ExtensionSettings
+from rope_plugins.tracker import ROW_VALUES_CACHE_SIZE, RequestSettingsTracker, cached_row_values
 
 ROWS, HEAD_DIM, TRAIN_LENGTH = 4, 64, 8192
 
@@ -52,9 +52,9 @@ def test_a_failure_while_building_the_row_falls_back_instead_of_killing_the_engi
             raise ValueError("Overflow when unpacking long long")
         return real(settings, head_dim, base)
 
-    real = requests.row_values
+    real = tracker_module.row_values
     cached_row_values.cache_clear()
-    monkeypatch.setattr(requests, "row_values", broken)
+    monkeypatch.setattr(tracker_module, "row_values", broken)
     add(tracker, 2, {"method": "yarn", "factor": 3.0})
     assert tracker.settings[2] == tracker.defaults
     add(tracker, 3, {"method": "rerope", "window": 100})
@@ -76,5 +76,6 @@ def test_bounds_keep_every_accepted_value_inside_the_worker_tables():
 
     largest = ExtensionSettings(method="leaky_rerope", train_length=MAX_POSITIONS, window=MAX_POSITIONS - 1,
                                 leaky_k=MAX_LEAKY_K, log_n=True)
-    values = requests.row_values(largest, HEAD_DIM, 100000.0)
-    assert all(torch.isfinite(torch.as_tensor(value, dtype=torch.float64)).all() for value in values)
+    values = tracker_module.row_values(largest, HEAD_DIM, 100000.0)
+    for value in (values.theta, values.window, values.leak, values.log_n_length, values.query_factor):
+        assert torch.isfinite(torch.as_tensor(value, dtype=torch.float64)).all()

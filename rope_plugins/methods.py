@@ -1,0 +1,88 @@
+"""Every context-extension method in one table.
+
+Each method is one general rule (DESIGN.md): the query at position ``m`` scores the key at
+``n`` at the relative position ``r = m - n`` when ``r < w`` (the near window), and beyond it
+at ``w + (r - w) ρ``, which is the far query at position ``w + (m - w) ρ`` against the far key
+at ``n ρ``; with the method's frequencies ``θ`` and a factor on the query. Frequency methods
+have no window (``w = 0, ρ = 1``) and change ``θ``; ReRoPE has ``ρ = 0`` (old keys read raw
+against one pre-rotated query) and Leaky ReRoPE ``ρ = 1/k``.
+
+Settings validation (the method names, the fields a method uses and so its canonical hash),
+the worker's per-row tables and the attention read this table; the oracle
+(:mod:`rope_plugins.reference`) is written from the formulas on its own. A new method is one
+entry here, its kernel support, and a test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .rotary import (
+    ntk_fixed_inv_freq,
+    ntk_mixed_inv_freq,
+    ntk_old_inv_freq,
+    pi_inv_freq,
+    rope_inv_freq,
+    yarn_attention_factor,
+    yarn_inv_freq,
+)
+
+if TYPE_CHECKING:
+    from .settings import ExtensionSettings
+
+
+def _plain_frequencies(settings: ExtensionSettings, head_dim: int, base: float) -> torch.Tensor:
+    return rope_inv_freq(head_dim, base)
+
+
+def _no_window(settings: ExtensionSettings) -> int:
+    return 0
+
+
+def _full_leak(settings: ExtensionSettings) -> float:
+    return 1.0
+
+
+def _unit_query_factor(settings: ExtensionSettings) -> float:
+    return 1.0
+
+
+@dataclass(frozen=True)
+class ExtensionMethod:
+    """One method: the settings fields it reads, and its rules as functions of the settings."""
+
+    name: str
+    fields: tuple[str, ...]  # the settings it uses: the canonical form (and hash) keeps only these
+    frequencies: Callable[[ExtensionSettings, int, float], torch.Tensor] = _plain_frequencies  # θ, [d/2] float64
+    window: Callable[[ExtensionSettings], int] = _no_window  # w: keys closer than this score plain RoPE
+    leak: Callable[[ExtensionSettings], float] = _full_leak  # ρ: how far positions advance beyond w
+    query_factor: Callable[[ExtensionSettings], float] = _unit_query_factor  # on every query (before log-n)
+
+
+METHODS: dict[str, ExtensionMethod] = {method.name: method for method in (
+    ExtensionMethod("none", ()),
+    ExtensionMethod("pi", ("factor",), frequencies=lambda s, d, b: pi_inv_freq(d, b, s.factor)),
+    ExtensionMethod("ntk_old", ("factor",), frequencies=lambda s, d, b: ntk_old_inv_freq(d, b, s.factor)),
+    ExtensionMethod("ntk_fixed", ("factor",), frequencies=lambda s, d, b: ntk_fixed_inv_freq(d, b, s.factor)),
+    ExtensionMethod("ntk_mixed", ("factor", "beta"),
+                    frequencies=lambda s, d, b: ntk_mixed_inv_freq(d, b, s.factor, s.beta)),
+    # YaRN scales q and k each by its attention factor, so the logits by its square
+    ExtensionMethod("yarn", ("factor", "train_length"),
+                    frequencies=lambda s, d, b: yarn_inv_freq(d, b, s.factor, s.train_length),
+                    query_factor=lambda s: yarn_attention_factor(s.factor) ** 2),
+    ExtensionMethod("rerope", ("window",), window=lambda s: s.window, leak=lambda s: 0.0),
+    ExtensionMethod("leaky_rerope", ("window", "leaky_k"), window=lambda s: s.window, leak=lambda s: 1.0 / s.leaky_k),
+)}
+
+
+def method_of(settings: ExtensionSettings) -> ExtensionMethod:
+    return METHODS[settings.method]
+
+
+def inv_freq(settings: ExtensionSettings, head_dim: int, base: float) -> torch.Tensor:
+    """The frequency table a request rotates with, ``[d/2]`` float64."""
+    return method_of(settings).frequencies(settings, head_dim, base)

@@ -1,0 +1,81 @@
+"""The C++ decode kernel (``csrc/decode_attention.cpp``): built on first use with PyTorch's
+extension builder and cached (``scripts/install.sh`` builds it once ahead of time), and a
+typed wrapper called by keyword.
+
+Without a C++ compiler the kernel is unavailable and decode takes the PyTorch path, which
+computes the same thing. With a compiler, a failed build is an error (:class:`KernelBuildError`):
+the install stops and the engine does not start, rather than serving on the slow path unnoticed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "decode_attention.cpp"
+# Reassociation lets the compiler vectorise the dot products; inf/nan semantics are kept.
+# ROPE_EXTEND_MARCH: the target CPU (images built for other machines set e.g. x86-64-v3).
+MARCH_ENV = "ROPE_EXTEND_MARCH"
+MARCH = os.environ.get(MARCH_ENV, "native")
+# -fopenmp: ATen's parallel_for is an inline OpenMP region, so without it the kernel's
+# chunks run one after another on one core (tests/test_attention.py checks the build).
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
+
+
+class KernelBuildError(RuntimeError):
+    """A compiler is here and the kernel did not build: a regression, not a missing tool."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler PyTorch's extension builder would use, if this machine has it."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+@functools.cache
+def decode_kernel():
+    """The compiled module; None only when there is no compiler."""
+    if compiler() is None:
+        logger.warning("rope_plugins: no C++ compiler (%s); decode takes the PyTorch path", os.environ.get("CXX", "c++"))
+        return None
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(name=f"rope_plugins_decode_{MARCH.replace('-', '_')}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                    extra_ldflags=LDFLAGS, verbose=False)
+    except Exception as error:
+        raise KernelBuildError(f"the C++ decode kernel failed to build with {compiler()}: {error}") from error
+
+
+def decode_attention(*, query: torch.Tensor, query_scale: torch.Tensor, query_cos: torch.Tensor,
+                     query_sin: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_lens: torch.Tensor,
+                     window: torch.Tensor, band_start: torch.Tensor, near_cos: torch.Tensor, near_sin: torch.Tensor,
+                     far_cos: torch.Tensor, far_sin: torch.Tensor, far_table: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Single-pass decode of ``R`` rows over the paged cache, float32.
+
+    query ``[R, H, d]`` unrotated and unscaled; query_scale ``[R]``; query_cos / sin ``[R, 2, d/2]``
+    (the near angle ``m θ`` and the far angle ``(w + (m - w) ρ) θ``); kv_cache
+    ``[blocks, kv, bs, 2d]``; block_ids ``[R, nb]``; seq_lens, window, band_start ``[R]`` int64;
+    near_cos / sin ``[R, W, d/2]`` for the band keys from ``band_start`` (empty without a band);
+    far_cos / sin ``[U, nb * bs, d/2]`` and far_table ``[R]`` (-1: the row reads old keys raw).
+    Returns ``[R, H, d]``.
+    """
+    return decode_kernel().decode_attention(query, query_scale, query_cos, query_sin, kv_cache, block_ids, seq_lens,
+                                            window, band_start, near_cos, near_sin, far_cos, far_sin, far_table, scale)
+
+
+if __name__ == "__main__":
+    # scripts/install.sh: build it now; a failed build fails the install
+    try:
+        print("decode kernel:", "ready" if decode_kernel() is not None else "unavailable (no C++ compiler)")
+    except KernelBuildError as error:
+        sys.exit(f"decode kernel: {error}")

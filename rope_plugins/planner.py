@@ -1,0 +1,240 @@
+"""A step's rows and their settings turned into a typed plan, once per step for all layers.
+
+The plan says, for every query token, the rotations of its near and far query; for every
+prefill row, where its near band and far part lie; for all decode rows together, which cache
+blocks to read, which keys to keep, the band keys' rotations and which far-key table each row
+uses. Every tensor is built here, on the CPU, so the attention ops only index and compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .rotary import log_n_scale
+from .tracker import RowTables
+
+PREFILL_TILE = 256  # queries per near-band tile in prefill (at most the window)
+FAR_TABLES_KEPT = 16  # far-key rotation tables kept between steps (one per distinct (θ, ρ))
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """cos and sin of float64 angles, cast for the model (angles stay exact to 1e-12)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, angle: torch.Tensor, dtype: torch.dtype) -> "Rotation":
+        return cls(cos=angle.cos().to(dtype), sin=angle.sin().to(dtype))
+
+    def __getitem__(self, index) -> "Rotation":
+        return Rotation(cos=self.cos[index], sin=self.sin[index])
+
+
+@dataclass(frozen=True)
+class QueryPlan:
+    """Every query token of the step: ``[T]`` scale, ``[T, 1, d/2]`` rotations."""
+
+    scale: torch.Tensor  # log-n x the method's factor, model dtype
+    near: Rotation  # m θ
+    far: Rotation  # (w + (m - w) ρ) θ
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """One request with more than one query token this step.
+
+    Near band (``0 <= m - n < w``): "young" queries (``m < w``) see every earlier key; the rest
+    go in ``tiles`` tiles of ``tile`` queries, each against its own tile (causal), the
+    ``w - tile`` keys before it (all visible) and the ``tile - 1`` keys before those (a
+    reversed triangle). Far part (``n <= m - w``): from the query ``first_far`` on.
+    """
+
+    tokens: slice  # its query tokens in the step's flat token order
+    context: int  # tokens already in the cache before this chunk
+    seq_len: int  # context + chunk
+    row: int  # batch row (block table)
+    window: int
+    first_far: int  # the first query with any far key
+    far_keys: Rotation | None  # n ρ θ, [seq_len, 1, d/2]; None when ρ = 0 (read raw)
+    young: int = 0
+    tile: int = 0
+    tiles: int = 0
+    band_start: int = 0  # the first key position any near query sees
+    band_keys: Rotation | None = None  # n θ for n = band_start .. seq_len - 1, [n, 1, d/2]
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens.stop - self.tokens.start
+
+
+@dataclass(frozen=True)
+class DecodeBand:
+    """The near-band keys of every decode row, ``[Rd, W]`` (W the widest window)."""
+
+    block: torch.Tensor  # block index in the row's block table
+    offset: torch.Tensor  # slot in that block
+    target: torch.Tensor  # the key's column among the row's keys; a spare last column when outside the band
+    keys: Rotation  # n θ, [Rd, W, 1, d/2]
+
+
+@dataclass(frozen=True)
+class FarKeys:
+    """Far-key rotations ``n ρ θ``: one table per distinct setting with ``ρ != 0``."""
+
+    rotation: Rotation  # [U, nb * bs, d/2]
+    table_of_row: torch.Tensor  # [Rd] int64; -1 when ρ = 0 (old keys read raw)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """All decode rows (one query each), batched over rows and cache blocks."""
+
+    tokens: torch.Tensor  # [Rd] token index of each row's query
+    block_ids: torch.Tensor  # [Rd, nb]
+    keep: torch.Tensor  # [Rd, nb * bs] keys each row attends to
+    seq_lens: torch.Tensor  # [Rd] int64
+    window: torch.Tensor  # [Rd] int64
+    band_start: torch.Tensor  # [Rd] int64: first key position of the band
+    far_keys: FarKeys | None
+    band: DecodeBand | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The attention metadata of one step."""
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [T]
+    block_table: torch.Tensor  # [R, max_blocks]
+    query: QueryPlan
+    prefill: list[PrefillRow]
+    decode: DecodePlan | None
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The step's rows as plain tensors, sliced from the batch: what a plan is made from."""
+
+    starts: torch.Tensor  # [R + 1] int64, each row's first token in the flat token order
+    seq_lens: torch.Tensor  # [R] int64
+    theta: torch.Tensor  # [R, d/2] float64
+    window: torch.Tensor  # [R] int64
+    leak: torch.Tensor  # [R] float64
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.starts[1:] - self.starts[:-1]
+
+
+def log_n_factor(positions: torch.Tensor, log_n_length: torch.Tensor) -> torch.Tensor:
+    """Per token log-n factor under its row's training length; 1 where ``log_n_length`` is 0."""
+    factor = log_n_scale(positions, log_n_length.clamp(min=2.0))
+    return torch.where(log_n_length > 0, factor, torch.ones_like(factor))
+
+
+class StepPlanner:
+    """Makes :class:`StepPlan` s; keeps far-key tables between steps (keys keep their angle)."""
+
+    def __init__(self, *, block_size: int, dtype: torch.dtype, prefill_tile: int = PREFILL_TILE) -> None:
+        self.block_size, self.dtype, self.prefill_tile = block_size, dtype, prefill_tile
+        self.far_tables: dict[tuple, Rotation] = {}
+
+    def plan(self, tables: RowTables, starts: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+             slot_mapping: torch.Tensor) -> StepPlan:
+        """The step's plan from row starts ``[R+1]`` in the flat token order, sequence lengths
+        ``[R]``, the block table, the slots, and the rows' settings tables."""
+        count = seq_lens.numel()
+        rows = StepRows(starts=starts, seq_lens=seq_lens, theta=tables.theta[:count], window=tables.window[:count],
+                        leak=tables.leak[:count])
+        query_lens = rows.query_lens
+        decode = (query_lens == 1).nonzero().flatten()
+        return StepPlan(
+            num_actual_tokens=int(starts[-1]), slot_mapping=slot_mapping, block_table=block_table,
+            query=self.query_plan(rows, tables.log_n_length[:count], tables.query_factor[:count]),
+            prefill=[self.prefill_row(rows, row) for row in (query_lens > 1).nonzero().flatten().tolist()],
+            decode=self.decode_plan(rows, decode, block_table) if decode.numel() else None)
+
+    def query_plan(self, rows: StepRows, log_n_length: torch.Tensor, query_factor: torch.Tensor) -> QueryPlan:
+        tokens, query_lens = int(rows.starts[-1]), rows.query_lens
+        token_row = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens, output_size=tokens)
+        # position of each token: the request's context plus its offset in the chunk
+        positions = (rows.seq_lens - query_lens)[token_row] + torch.arange(tokens) - rows.starts[:-1][token_row]
+        theta = rows.theta[token_row]  # [T, d/2]
+        window = rows.window[token_row].to(torch.float64)
+        far_position = window + (positions - window) * rows.leak[token_row]
+        scale = log_n_factor(positions, log_n_length[token_row]) * query_factor[token_row]
+        return QueryPlan(scale=scale.to(self.dtype),
+                         near=Rotation.of((positions[:, None].double() * theta)[:, None], self.dtype),
+                         far=Rotation.of((far_position[:, None] * theta)[:, None], self.dtype))
+
+    def far_key_table(self, theta: torch.Tensor, leak: float, length: int) -> Rotation:
+        """``n ρ θ`` for key positions ``n < length``, ``[length, d/2]``; computed once per
+        setting (and per doubling of the length), not every step."""
+        key = (leak, theta.numpy().tobytes())
+        table = self.far_tables.pop(key, None)  # re-inserted below: the dict is kept in use order
+        if table is None or table.cos.shape[0] < length:
+            capacity = max(1024, 1 << (length - 1).bit_length())
+            table = Rotation.of(torch.arange(capacity, dtype=torch.float64)[:, None] * (leak * theta), self.dtype)
+        self.far_tables[key] = table
+        while len(self.far_tables) > FAR_TABLES_KEPT:
+            self.far_tables.pop(next(iter(self.far_tables)))
+        return table[:length]
+
+    def decode_plan(self, rows: StepRows, decode: torch.Tensor, block_table: torch.Tensor) -> DecodePlan:
+        """Blocks to read, keys to keep, far-key tables and the near band of every decode row."""
+        seq_lens, window = rows.seq_lens[decode], rows.window[decode]
+        keys = -(-int(seq_lens.max()) // self.block_size) * self.block_size  # the rows' key columns
+        band_width = min(int(window.max()), int(seq_lens.max()))
+        return DecodePlan(
+            tokens=rows.starts[:-1][decode], block_ids=block_table[decode, : keys // self.block_size],
+            keep=torch.arange(keys)[None, :] < seq_lens[:, None], seq_lens=seq_lens, window=window,
+            band_start=(seq_lens - band_width).clamp(min=0),
+            far_keys=self.decode_far_keys(rows.theta[decode], rows.leak[decode], keys),
+            band=self.decode_band(rows.theta[decode], seq_lens, window, band_width, keys) if band_width > 0 else None)
+
+    def decode_far_keys(self, theta: torch.Tensor, leak: torch.Tensor, keys: int) -> FarKeys | None:
+        """One far-key table per distinct (θ, ρ != 0) among the decode rows."""
+        table_of_row, table_of_setting, tables = torch.full((leak.numel(),), -1, dtype=torch.int64), {}, []
+        for r in (leak != 0).nonzero().flatten().tolist():
+            setting = (float(leak[r]), theta[r].numpy().tobytes())
+            if setting not in table_of_setting:
+                table_of_setting[setting] = len(tables)
+                tables.append(self.far_key_table(theta[r], float(leak[r]), keys))
+            table_of_row[r] = table_of_setting[setting]
+        if not tables:
+            return None
+        rotation = Rotation(cos=torch.stack([t.cos for t in tables]), sin=torch.stack([t.sin for t in tables]))
+        return FarKeys(rotation=rotation, table_of_row=table_of_row)
+
+    def decode_band(self, theta: torch.Tensor, seq_lens: torch.Tensor, window: torch.Tensor, band_width: int,
+                    keys: int) -> DecodeBand:
+        """The last ``band_width`` key positions of each row; those within its own window are
+        near keys, the rest of the band goes to a spare column."""
+        position = (seq_lens - band_width).clamp(min=0)[:, None] + torch.arange(band_width)  # [Rd, W]
+        near = (position < seq_lens[:, None]) & (seq_lens[:, None] - 1 - position < window[:, None])
+        position = position.clamp(max=keys - 1)
+        return DecodeBand(block=position // self.block_size, offset=position % self.block_size,
+                          target=torch.where(near, position, keys),
+                          keys=Rotation.of((position.double()[..., None] * theta[:, None, :])[:, :, None], self.dtype))
+
+    def prefill_row(self, rows: StepRows, row: int) -> PrefillRow:
+        chunk, seq_len = int(rows.query_lens[row]), int(rows.seq_lens[row])
+        context, window, leak, theta = seq_len - chunk, int(rows.window[row]), float(rows.leak[row]), rows.theta[row]
+        young = min(max(window - context, 0), chunk)  # 0 without a window, as all that follows
+        old = chunk - young if window else 0
+        tile = min(self.prefill_tile, window, old) if old else 0
+        band_start = max(0, context - window + 1)
+        band_keys = None
+        if window:
+            positions = torch.arange(band_start, seq_len, dtype=torch.float64)
+            band_keys = Rotation.of((positions[:, None] * theta)[:, None], self.dtype)
+        return PrefillRow(
+            tokens=slice(int(rows.starts[row]), int(rows.starts[row + 1])), context=context, seq_len=seq_len, row=row,
+            window=window, first_far=max(0, window - context),
+            far_keys=self.far_key_table(theta, leak, seq_len)[:, None] if leak != 0 else None,
+            young=young, tile=tile, tiles=-(-old // tile) if old else 0, band_start=band_start if window else 0,
+            band_keys=band_keys)
