@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from rope_plugins.settings import METHODS
+from rope_plugins.settings import METHOD_NAMES
 
 ENV_PREFIX = "ROPE_EXTEND_"
 AUTO = "auto"
@@ -28,10 +28,10 @@ class ServerConfig(BaseModel):
     port: int = Field(8000, description="TCP port")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
     max_model_len: int = Field(32768, description="longest prompt + completion served, in tokens")
-    method: Literal["auto", *METHODS] = Field(  # type: ignore[valid-type]
+    method: Literal["auto", *METHOD_NAMES] = Field(  # type: ignore[valid-type]
         AUTO, description="default extension method; 'auto' = plain RoPE within the training length, "
                           "--auto-method beyond")
-    auto_method: Literal[*METHODS] = Field("rerope", description="what 'auto' uses past the training length")  # type: ignore[valid-type]
+    auto_method: Literal[*METHOD_NAMES] = Field("rerope", description="what 'auto' uses past the training length")  # type: ignore[valid-type]
     # the evaluation (README): log-n took ReRoPE's loss at 32k from 2.606 to 2.523 nats and is
     # the identity within training; it hurts YaRN, so it is not a default for every method
     auto_log_n: bool = Field(True, description="log-n query scaling when 'auto' goes past the training length "

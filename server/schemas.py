@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from rope_plugins.settings import METHODS, ExtensionSettings
+from rope_plugins.settings import METHOD_NAMES, ExtensionSettings
 
 # Bounds on what a request may ask for. Integers that reach the engine stay inside its int32
 # / int64 fields; lists and strings are bounded so that validation itself stays cheap.
@@ -59,7 +59,7 @@ class ContextExtension(BaseModel):
 
     # typed and range-checked in one place, ExtensionSettings (strict: log_n must be a bool);
     # the schema documents what it accepts
-    method: Annotated[Any, WithJsonSchema({"enum": ["auto", *METHODS]})] = None
+    method: Annotated[Any, WithJsonSchema({"enum": ["auto", *METHOD_NAMES]})] = None
     factor: Annotated[Any, settings_field_schema("factor")] = None
     window: Annotated[Any, settings_field_schema("window", description="smaller than train_length")] = None
     leaky_k: Annotated[Any, settings_field_schema("leaky_k")] = None
