@@ -32,8 +32,8 @@ class ServerConfig(BaseModel):
         AUTO, description="default extension method; 'auto' = plain RoPE within the training length, "
                           "--auto-method beyond")
     auto_method: Literal[*METHOD_NAMES] = Field("rerope", description="what 'auto' uses past the training length")  # type: ignore[valid-type]
-    # the evaluation (README): log-n took ReRoPE's loss at 32k from 2.606 to 2.523 nats and is
-    # the identity within training; it hurts YaRN, so it is not a default for every method
+    # log-n lowered ReRoPE's loss past training in the evaluation (bench/README.md) and is the
+    # identity within training; it hurts YaRN, so it is not a default for every method
     auto_log_n: bool = Field(True, description="log-n query scaling when 'auto' goes past the training length "
                                                "(unless the request sets log_n)")
     window: int | None = Field(None, description="default ReRoPE window (default: training length / 4)")
@@ -44,8 +44,8 @@ class ServerConfig(BaseModel):
     dtype: str = Field("float32", description="model dtype (vLLM's CPU backend needs float32 for SmolLM2)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
     max_num_seqs: int = Field(8, description="sequences decoded together")
-    # a decoding request waits for each step's prompt chunk: bench/step_budget.py measured 2048 to
-    # cut the p99 gap between tokens 2.7x against 8192 at the same throughput (512 lost 13%)
+    # a decoding request waits for each step's prompt chunk: the step-budget measurement
+    # (bench/README.md) picks this one for the gap between tokens at the same throughput
     max_num_batched_tokens: int = Field(2048, description="tokens per engine step (longer prompts are chunked)")
     max_waiting: int = Field(64, description="sequences allowed to wait beyond the running ones; more get 429")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="largest request body accepted (bytes); larger is 413")

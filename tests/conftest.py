@@ -1,4 +1,4 @@
-"""Shared, session-wide fixtures: engines take ~15 s to start, so each kind starts once."""
+"""Shared, session-wide fixtures: an engine takes seconds to start, so each kind starts once."""
 
 from __future__ import annotations
 
