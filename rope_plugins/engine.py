@@ -14,15 +14,22 @@ from typing import Any
 
 from vllm import SamplingParams
 
-from .plugin import ARCHITECTURE
+from .checkpoint import UnsupportedCheckpoint, checkpoint_rotary
+from .plugin import FAMILIES, extended_architecture
 from .settings import CONFIG_KEY, EXTRA_ARGS_KEY, ExtensionSettings, parse_settings
 from .tracker import RequestSettingsTracker
 
 
-def checkpoint_train_length(model: str) -> int:
+def checkpoint_facts(model: str) -> tuple[str, int]:
+    """The checkpoint's architecture and the length it was trained at (see
+    :mod:`rope_plugins.checkpoint`); a family the plugin does not serve is refused, named."""
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(model).max_position_embeddings)
+    config = AutoConfig.from_pretrained(model)
+    architecture = (getattr(config, "architectures", None) or ["?"])[0]
+    if architecture not in FAMILIES:
+        raise UnsupportedCheckpoint(f"architecture {architecture} is not served; served: {', '.join(FAMILIES)}")
+    return architecture, checkpoint_rotary(config).train_length
 
 
 # vLLM's CPU workers keep one core per worker free for the scheduler process, which mostly
@@ -71,7 +78,7 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_mod
     requests override. Serving past the checkpoint's ``max_position_embeddings`` needs an
     extension method among the defaults.
     """
-    train_length = checkpoint_train_length(model)
+    architecture, train_length = checkpoint_facts(model)
     settings = parse_settings(defaults, ExtensionSettings(train_length=train_length))
     served = max_model_len or train_length
     if served > train_length and settings.is_plain_rope:
@@ -80,7 +87,7 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_mod
             "choose a default extension method (defaults={'method': ...})")
     overrides = dict(engine.pop("hf_overrides", None) or {})
     overrides.update({
-        "architectures": [ARCHITECTURE],
+        "architectures": [extended_architecture(architecture)],
         CONFIG_KEY: settings.model_dump(),
         "max_position_embeddings": max(served, train_length),
     })

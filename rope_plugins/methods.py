@@ -7,6 +7,12 @@ at ``n ρ``; with the method's frequencies ``θ`` and a factor on the query. Fre
 have no window (``w = 0, ρ = 1``) and change ``θ``; ReRoPE has ``ρ = 0`` (old keys read raw
 against one pre-rotated query) and Leaky ReRoPE ``ρ = 1/k``.
 
+Frequencies apply on top of the checkpoint's own table (:mod:`rope_plugins.checkpoint`):
+a method multiplies each pair of ``θ_ckpt`` by the factor it applies to plain RoPE at the
+checkpoint's base, ``θ_method(b) / θ_plain(b)`` (YaRN's ramp at the request's training
+length). For a plain checkpoint that is the method's own table; for a scaled one (llama3,
+linear, yarn) the method scales what the checkpoint was trained with.
+
 Settings validation (the method names, the fields a method uses and so its canonical hash),
 the worker's per-row tables and the attention read this table; the oracle
 (:mod:`rope_plugins.reference`) is written from the formulas on its own. A new method is one
@@ -32,6 +38,7 @@ from .rotary import (
 )
 
 if TYPE_CHECKING:
+    from .checkpoint import CheckpointRotary
     from .settings import ExtensionSettings
 
 
@@ -57,7 +64,8 @@ class ExtensionMethod:
 
     name: str
     fields: tuple[str, ...]  # the settings it uses: the canonical form (and hash) keeps only these
-    frequencies: Callable[[ExtensionSettings, int, float], torch.Tensor] = _plain_frequencies  # θ, [d/2] float64
+    # θ on plain RoPE at base b (head dim d), [d/2] float64
+    frequencies: Callable[[ExtensionSettings, int, float], torch.Tensor] = _plain_frequencies
     window: Callable[[ExtensionSettings], int] = _no_window  # w: keys closer than this score plain RoPE
     leak: Callable[[ExtensionSettings], float] = _full_leak  # ρ: how far positions advance beyond w
     query_factor: Callable[[ExtensionSettings], float] = _unit_query_factor  # on every query (before log-n)
@@ -83,6 +91,10 @@ def method_of(settings: ExtensionSettings) -> ExtensionMethod:
     return METHODS[settings.method]
 
 
-def inv_freq(settings: ExtensionSettings, head_dim: int, base: float) -> torch.Tensor:
-    """The frequency table a request rotates with, ``[d/2]`` float64."""
-    return method_of(settings).frequencies(settings, head_dim, base)
+def inv_freq(settings: ExtensionSettings, rotary: CheckpointRotary) -> torch.Tensor:
+    """The frequency table a request rotates with on this checkpoint, ``[d/2]`` float64."""
+    method = method_of(settings)
+    own = method.frequencies(settings, rotary.head_dim, rotary.base)
+    if rotary.kind == "default":  # θ_ckpt is θ_plain: the method's own table, without a round trip
+        return own
+    return rotary.frequencies * (own / rope_inv_freq(rotary.head_dim, rotary.base))

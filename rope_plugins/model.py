@@ -1,63 +1,90 @@
-"""Llama-family model whose attention rotates inside the attention backend.
+"""The stock vLLM model of each family, with rotation moved into the plugin's attention.
 
-The decoder layers, MLP, norms and weight names are vLLM's own Llama (``LlamaDecoderLayer``
-takes the attention module as ``attn_layer_type``); only the attention module differs: it
-projects q, k, v and hands them to :class:`~rope_plugins.attention.RopeExtendAttentionBackend`
-unrotated, so keys enter the paged cache before rotation.
+For every supported architecture the model is vLLM's own class (weights, norms, biases, q/k
+norms, MLP: all stock). After it is built, each full-attention layer's attention is rebuilt on
+:class:`~rope_plugins.attention.RopeExtendAttentionBackend` and its rotary embedding becomes a
+pass-through, so q and k reach attention unrotated and keys enter the paged cache before
+rotation. Sliding-window layers (Gemma 3's local layers) stay stock: their reach is shorter
+than training, so no request's setting changes them.
+
+A checkpoint the plugin cannot serve exactly is refused while the model is built, with the
+reason (:class:`~rope_plugins.checkpoint.UnsupportedCheckpoint`).
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
-from vllm.config import CacheConfig, VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.v1.attention.backend import AttentionType
 
 from .attention import RopeExtendAttentionBackend
+from .checkpoint import UnsupportedCheckpoint, checkpoint_rotary
+from .plugin import extended_architecture
 
 
-class RopeExtendLlamaAttention(nn.Module):
-    """q/k/v projection, pre-rotation attention, output projection (Llama's weight names)."""
+class PassThroughRotary(nn.Module):
+    """Where the stock layer rotated q and k: rotation happens inside attention instead."""
 
-    def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 max_position_embeddings: int = 8192, quant_config: QuantizationConfig | None = None,
-                 bias: bool = False, bias_o_proj: bool = False, cache_config: CacheConfig | None = None,
-                 prefix: str = "", attn_type: str = AttentionType.DECODER) -> None:
-        super().__init__()
-        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-        if rope_type not in (None, "default"):
-            raise ValueError(f"rope_plugins serves checkpoints with plain RoPE; this one has rope_type={rope_type!r}")
-        tp_size = get_tensor_model_parallel_world_size()
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
-        self.head_dim = getattr(config, "head_dim", None) or hidden_size // num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(hidden_size=hidden_size, head_size=self.head_dim,
-                                          total_num_heads=num_heads, total_num_kv_heads=num_kv_heads,
-                                          bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(input_size=num_heads * self.head_dim, output_size=hidden_size,
-                                        bias=bias_o_proj, quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
-                              cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
-                              attn_type=attn_type, attn_backend=RopeExtendAttentionBackend)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # No rotation here: each request's rule is applied inside attention.
-        output, _ = self.o_proj(self.attn(q, k, v))
-        return output
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, *args, **kwargs):
+        return query, key
 
 
-class RopeExtendLlamaForCausalLM(LlamaForCausalLM):
+def refuse_unserved(layer: Attention) -> None:
+    """What the plugin's attention does not compute, named."""
+    if getattr(layer.impl, "logits_soft_cap", None):
+        raise UnsupportedCheckpoint(f"{layer.layer_name}: attention logit soft-capping is not served")
+    if layer.has_sink:
+        raise UnsupportedCheckpoint(f"{layer.layer_name}: attention sinks are not served")
+    if layer.attn_type != AttentionType.DECODER:
+        raise UnsupportedCheckpoint(f"{layer.layer_name}: only decoder self-attention is served")
+
+
+def move_rotation_into_attention(model: nn.Module, vllm_config: VllmConfig) -> list[str]:
+    """Rebuild every full-attention layer on the plugin's backend with a pass-through rotary;
+    returns their names. A layer registers itself under its name in the compilation config's
+    forward context: the rebuilt one takes the stock one's place there."""
+    forward_context = vllm_config.compilation_config.static_forward_context
+    moved = []
+    for module in model.modules():
+        stock = getattr(module, "attn", None)
+        if not isinstance(stock, Attention) or not hasattr(module, "rotary_emb") or stock.sliding_window is not None:
+            continue
+        refuse_unserved(stock)
+        del forward_context[stock.layer_name]
+        module.attn = Attention(stock.num_heads, stock.head_size, stock.impl.scale, num_kv_heads=stock.num_kv_heads,
+                                cache_config=vllm_config.cache_config, prefix=stock.layer_name,
+                                attn_backend=RopeExtendAttentionBackend)
+        module.rotary_emb = PassThroughRotary()
+        moved.append(stock.layer_name)
+    if not moved:
+        raise UnsupportedCheckpoint("the model has no full-attention layer with a rotary embedding to extend")
+    return moved
+
+
+def extended(stock: type[nn.Module]) -> type[nn.Module]:
+    """``stock`` with its full-attention layers on the plugin's attention."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix,
-                         layer_type=partial(LlamaDecoderLayer, attn_layer_type=RopeExtendLlamaAttention))
+        hf_config = vllm_config.model_config.hf_config
+        if getattr(hf_config, "dual_chunk_attention_config", None):
+            raise UnsupportedCheckpoint("dual-chunk attention configs are not served")
+        checkpoint_rotary(hf_config)  # refuses, naming why, a rotary the plugin cannot apply exactly
+        stock.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
+        move_rotation_into_attention(self, vllm_config)
+
+    name = extended_architecture(stock.__name__)
+    return type(name, (stock,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
+
+
+RopeExtendLlamaForCausalLM = extended(LlamaForCausalLM)
+RopeExtendMistralForCausalLM = extended(MistralForCausalLM)
+RopeExtendQwen2ForCausalLM = extended(Qwen2ForCausalLM)
+RopeExtendQwen3ForCausalLM = extended(Qwen3ForCausalLM)
+RopeExtendGemma3ForCausalLM = extended(Gemma3ForCausalLM)

@@ -1,21 +1,29 @@
-"""vLLM entry point (``vllm.general_plugins``): registers the model and the attention backend.
+"""vLLM entry point (``vllm.general_plugins``): registers the extended models and the attention backend.
 
 vLLM loads general plugins in every process it starts, possibly several times: each
-registration checks first. The model is registered by its class path, so only the
-processes that build it import it.
+registration checks first. Models are registered by class path, so only the processes that
+build one import :mod:`rope_plugins.model`.
 """
 
 from __future__ import annotations
 
 BACKEND_NAME = "ROPE_EXTEND"
-ARCHITECTURE = "RopeExtendLlamaForCausalLM"
+# The stock architectures served with rotation moved into the plugin's attention.
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+
+
+def extended_architecture(stock: str) -> str:
+    """The registered name of ``stock`` served by the plugin."""
+    return f"RopeExtend{stock}"
 
 
 def register() -> None:
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "rope_plugins.model:RopeExtendLlamaForCausalLM")
+    for family in FAMILIES:
+        name = extended_architecture(family)
+        if name not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(name, f"rope_plugins.model:{name}")
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, "rope_plugins.attention.RopeExtendAttentionBackend")

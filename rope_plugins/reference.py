@@ -56,8 +56,52 @@ def _yarn_frequencies(settings: ExtensionSettings, head_dim: int, base: float) -
     return frequencies
 
 
-def oracle_frequencies(settings: ExtensionSettings, head_dim: int, base: float) -> torch.Tensor:
-    """``θ`` of the method, ``[d/2]`` float64."""
+def _llama3_frequencies(rope: dict, head_dim: int, base: float) -> list[float]:
+    """Llama 3.1: wavelengths below ``L / high_freq_factor`` kept, above ``L / low_freq_factor``
+    divided by the factor, and between, ``(1 - s) θ / factor + s θ`` with
+    ``s = (L / wavelength - low) / (high - low)``."""
+    length, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    frequencies = []
+    for i in range(head_dim // 2):
+        theta = base ** (-2 * i / head_dim)
+        wavelength = 2 * math.pi / theta
+        if wavelength < length / high:
+            frequencies.append(theta)
+        elif wavelength > length / low:
+            frequencies.append(theta / factor)
+        else:
+            share = (length / wavelength - low) / (high - low)
+            frequencies.append((1 - share) * theta / factor + share * theta)
+    return frequencies
+
+
+def oracle_checkpoint(rope: dict | None, head_dim: int, base: float) -> tuple[torch.Tensor, float]:
+    """A checkpoint's own table and the factor its rotary puts on q and k, from its
+    ``rope_parameters`` (None: plain RoPE at ``base``)."""
+    kind = (rope or {}).get("rope_type", "default")
+    plain = [base ** (-2 * i / head_dim) for i in range(head_dim // 2)]
+    if kind == "default":
+        return torch.tensor(plain, dtype=torch.float64), 1.0
+    if kind == "linear":
+        return torch.tensor([theta / rope["factor"] for theta in plain], dtype=torch.float64), 1.0
+    if kind == "llama3":
+        return torch.tensor(_llama3_frequencies(rope, head_dim, base), dtype=torch.float64), 1.0
+    if kind == "yarn":
+        declared = ExtensionSettings(method="yarn", factor=rope["factor"],
+                                     train_length=rope["original_max_position_embeddings"])
+        return (torch.tensor(_yarn_frequencies(declared, head_dim, base), dtype=torch.float64),
+                0.1 * math.log(rope["factor"]) + 1)
+    raise ValueError(f"the oracle has no {kind!r} rotary")
+
+
+def oracle_frequencies(settings: ExtensionSettings, head_dim: int, base: float,
+                       rope: dict | None = None) -> torch.Tensor:
+    """``θ`` of the method, ``[d/2]`` float64: on a scaled checkpoint (``rope``), the
+    checkpoint's table times what the method does to plain RoPE at its base."""
+    if rope is not None and rope.get("rope_type", "default") != "default":
+        table, _ = oracle_checkpoint(rope, head_dim, base)
+        return table * oracle_frequencies(settings, head_dim, base) / oracle_checkpoint(None, head_dim, base)[0]
     if settings.method in ("ntk_old", "ntk_fixed", "ntk_mixed"):
         frequencies = _ntk_frequencies(settings, head_dim, base)
     elif settings.method == "yarn":
@@ -106,6 +150,7 @@ def reference_attention(
     settings: ExtensionSettings,
     *,
     base: float,
+    rope: dict | None = None,
     positions: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     neox_style: bool = True,
@@ -116,7 +161,8 @@ def reference_attention(
     query ``[seq, q_heads, d]``, key/value ``[seq, kv_heads, d]``, positions ``[seq]``
     (default ``0..seq-1``). The query at position m scores the key at n <= m as
     ``q_m^T R(-rel(m - n)) k_n`` with ``rel`` the method's effective relative position and
-    ``R`` the rotation by the method's frequencies. Returns ``[seq, q_heads, d]``.
+    ``R`` the rotation by the method's frequencies. ``rope``: the checkpoint's
+    ``rope_parameters`` when its rotary is scaled. Returns ``[seq, q_heads, d]``.
     """
     seq_len, q_heads, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -126,8 +172,9 @@ def reference_attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
 
-    theta = oracle_frequencies(settings, head_dim, base)  # [d/2]
-    scaled_query = query.double() * oracle_query_scale(settings, positions)[:, None, None]
+    theta = oracle_frequencies(settings, head_dim, base, rope)  # [d/2]
+    checkpoint_factor = oracle_checkpoint(rope, head_dim, base)[1] ** 2  # on q and k alike
+    scaled_query = query.double() * (oracle_query_scale(settings, positions) * checkpoint_factor)[:, None, None]
     key64, value64 = key.double(), value.double()
     out = torch.empty(seq_len, q_heads, head_dim, dtype=torch.float64)
 
@@ -154,6 +201,7 @@ def plain_rope_attention(
     value: torch.Tensor,
     *,
     base: float,
+    rope: dict | None = None,
     positions: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     neox_style: bool = True,
@@ -176,14 +224,17 @@ def plain_rope_attention(
 
 
 class UnrotatedRotaryEmbedding(torch.nn.Module):
-    """A transformers Llama rotary embedding that rotates nothing (cos 1, sin 0): put in place
-    of ``model.model.rotary_emb``, q and k reach the attention function unrotated, so an
-    attention registered with transformers can apply any method itself."""
+    """A transformers rotary embedding that rotates nothing (cos 1, sin 0) for full-attention
+    layers: put in place of ``model.model.rotary_emb``, q and k reach the attention function
+    unrotated, so an attention registered with transformers can apply any method itself.
+    Other layer types (Gemma 3's sliding layers) keep ``stock``'s rotation."""
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, stock: torch.nn.Module | None = None):
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim, self.stock = head_dim, stock
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None, *args, **kwargs):
+        if layer_type not in (None, "full_attention"):
+            return self.stock(x, position_ids, layer_type, *args, **kwargs)
         shape = (*position_ids.shape, self.head_dim)
         return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)

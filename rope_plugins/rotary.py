@@ -56,17 +56,31 @@ def yarn_correction_dim(rotations: float, head_dim: int, base: float, train_leng
     return head_dim * math.log(train_length / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def yarn_inv_freq(head_dim: int, base: float, factor: float, train_length: int) -> torch.Tensor:
+def yarn_inv_freq(head_dim: int, base: float, factor: float, train_length: int, *, beta_fast: float = YARN_BETA_FAST,
+                  beta_slow: float = YARN_BETA_SLOW, truncate: bool = True) -> torch.Tensor:
     """YaRN's NTK-by-parts: high frequencies kept, low ones interpolated by k, a linear ramp
-    between the dimensions that turn ``YARN_BETA_FAST`` and ``YARN_BETA_SLOW`` times in L_train."""
-    low = max(math.floor(yarn_correction_dim(YARN_BETA_FAST, head_dim, base, train_length)), 0)
-    high = min(math.ceil(yarn_correction_dim(YARN_BETA_SLOW, head_dim, base, train_length)), head_dim - 1)
+    between the dimensions that turn ``beta_fast`` and ``beta_slow`` times in L_train."""
+    low = yarn_correction_dim(beta_fast, head_dim, base, train_length)
+    high = yarn_correction_dim(beta_slow, head_dim, base, train_length)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     pair = torch.arange(head_dim // 2, dtype=torch.float64)
     interpolated_share = ((pair - low) / (high - low)).clamp(0.0, 1.0)
     extrapolated = rope_inv_freq(head_dim, base)
     return extrapolated * (1 - interpolated_share) + extrapolated / factor * interpolated_share
+
+
+def llama3_inv_freq(head_dim: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_length: int) -> torch.Tensor:
+    """Llama 3.1's table: wavelengths shorter than ``L / high_freq_factor`` kept, longer than
+    ``L / low_freq_factor`` divided by the factor, a smooth blend in ``L / wavelength`` between."""
+    theta = rope_inv_freq(head_dim, base)
+    wavelength = 2 * math.pi / theta
+    smooth = ((original_length / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - smooth) * theta / factor + smooth * theta
 
 
 def yarn_attention_factor(factor: float) -> float:

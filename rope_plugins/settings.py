@@ -105,11 +105,6 @@ def engine_defaults(hf_config: Any) -> ExtensionSettings:
     return ExtensionSettings.model_validate(fields)
 
 
-def rope_base(hf_config: Any) -> float:
-    parameters = getattr(hf_config, "rope_parameters", None) or {}
-    return float(parameters.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
-
-
 def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -> ExtensionSettings:
     """``defaults`` overridden by a request's ``fields``; raises :class:`SettingsError`."""
     if fields is None:

@@ -17,9 +17,10 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from .methods import method_of
+from .checkpoint import CheckpointRotary, checkpoint_rotary
+from .methods import inv_freq, method_of
 from .settings import (EXTRA_ARGS_KEY, ExtensionSettings, SettingsError, engine_defaults, parse_settings,
-                       request_fields, rope_base, validate_request_fields)
+                       request_fields, validate_request_fields)
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +33,14 @@ class RowValues:
     window: int  # w; 0 for the frequency methods
     leak: float  # ρ: 0 ReRoPE, 1/k Leaky ReRoPE, 1 the frequency methods
     log_n_length: float  # the training length log-n divides by; 0 when log-n is off
-    query_factor: float  # the method's own factor on the query (YaRN's temperature)
+    query_factor: float  # on the query: the method's own (YaRN's temperature) x the checkpoint's
 
 
-def row_values(settings: ExtensionSettings, head_dim: int, base: float) -> RowValues:
+def row_values(settings: ExtensionSettings, rotary: CheckpointRotary) -> RowValues:
     method = method_of(settings)
-    return RowValues(theta=method.frequencies(settings, head_dim, base), window=method.window(settings),
-                     leak=method.leak(settings), log_n_length=float(settings.train_length) if settings.log_n else 0.0,
-                     query_factor=method.query_factor(settings))
+    return RowValues(theta=inv_freq(settings, rotary), window=method.window(settings), leak=method.leak(settings),
+                     log_n_length=float(settings.train_length) if settings.log_n else 0.0,
+                     query_factor=method.query_factor(settings) * rotary.attention_factor**2)
 
 
 # Distinct settings seen by a worker: each costs a few hundred bytes; a bounded cache keeps a
@@ -48,9 +49,9 @@ ROW_VALUES_CACHE_SIZE = 1024
 
 
 @functools.lru_cache(maxsize=ROW_VALUES_CACHE_SIZE)
-def cached_row_values(settings: ExtensionSettings, head_dim: int, base: float) -> RowValues:
+def cached_row_values(settings: ExtensionSettings, rotary: CheckpointRotary) -> RowValues:
     """:func:`row_values`, once per distinct settings (frozen, so hashable)."""
-    return row_values(settings, head_dim, base)
+    return row_values(settings, rotary)
 
 
 class RowTables:
@@ -90,10 +91,9 @@ class RequestSettingsTracker(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         hf_config = vllm_config.model_config.hf_config
         self.defaults = engine_defaults(hf_config)
-        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        self.base = rope_base(hf_config)
+        self.rotary = checkpoint_rotary(hf_config)
         rows = vllm_config.scheduler_config.max_num_seqs
-        self.tables = RowTables(rows, self.head_dim // 2)
+        self.tables = RowTables(rows, self.rotary.head_dim // 2)
         self.settings: list[ExtensionSettings] = [self.defaults] * rows
         for row in range(rows):
             self.tables.write(row, self._values(self.defaults))
@@ -111,7 +111,7 @@ class RequestSettingsTracker(LogitsProcessor):
             raise VLLMValidationError(str(error), parameter=f"{EXTRA_ARGS_KEY}.{error.field}") from None
 
     def _values(self, settings: ExtensionSettings) -> RowValues:
-        return cached_row_values(settings, self.head_dim, self.base)
+        return cached_row_values(settings, self.rotary)
 
     def resolve(self, params: SamplingParams) -> ExtensionSettings:
         try:

@@ -20,6 +20,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from rope_plugins.engine import engine_kwargs, extension_request
+from rope_plugins.checkpoint import CheckpointRotary, checkpoint_rotary
 from rope_plugins.settings import engine_defaults
 from rope_plugins.settings import ExtensionSettings, SettingsError, parse_settings
 
@@ -83,6 +84,7 @@ class EngineService:
         self.engine = None
         self.tokenizer = None
         self.defaults: ExtensionSettings | None = None
+        self.rotary: CheckpointRotary | None = None  # the checkpoint's own (full-attention layers')
         self.model_path = ""
         self.model_name = config.served_model_name or ""
         self.created = int(time.time())
@@ -126,6 +128,7 @@ class EngineService:
             self.longest_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
             hf_config = self.engine.vllm_config.model_config.hf_config
             self.defaults = engine_defaults(hf_config)
+            self.rotary = checkpoint_rotary(hf_config)
             self.state = "ready"
             config = self.config
             auto = (f"; auto past training: {config.auto_method}"

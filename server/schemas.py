@@ -306,6 +306,15 @@ class Completion(BaseModel):
     context_extension: dict[str, Any] | None = None
 
 
+class RotaryCard(BaseModel):
+    """The checkpoint's own rotary on its full-attention layers, which the methods extend."""
+
+    kind: str  # default, linear, llama3 or yarn
+    base: float  # rope_theta
+    head_dim: int
+    attention_factor: float  # what the checkpoint's rotary puts on q and k (a declared YaRN's)
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -313,7 +322,8 @@ class ModelCard(BaseModel):
     owned_by: str = "rope-extend"
     root: str
     max_model_len: int  # the served maximum: prompt + completion tokens
-    train_length: int  # the checkpoint's training context
+    train_length: int  # the checkpoint's training context ('auto' stays plain RoPE within it)
+    rotary: RotaryCard
     default_context_extension: dict[str, Any]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 # the benchmark scripts and the server launcher the tests share with them
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from tiny_llama import TRAIN_LENGTH, make_tiny_llama
+from reference_forward import ReferenceModel  # noqa: E402
+from tiny_models import LLAMA3_ROPE, TRAIN_LENGTH, make_tiny_model
 
 ENGINE_DEFAULTS = {"method": "rerope", "window": 37}
 MAX_MODEL_LEN = 1024
@@ -18,10 +20,13 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
 
 
-def _engine(model_dir, **engine):
+@contextlib.contextmanager
+def running_engine(model_dir, **engine):
+    """The plugin's engine on ``model_dir`` (the test defaults, overridden by ``engine``), shut
+    down on exit."""
     from vllm import LLM
 
     from rope_plugins.engine import compute_on_every_core, engine_kwargs
@@ -30,29 +35,46 @@ def _engine(model_dir, **engine):
     common = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
                   kv_cache_memory_bytes=1 << 27, seed=0)
     common.update(engine)
-    return LLM(**engine_kwargs(str(model_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN, **common))
+    llm = LLM(**engine_kwargs(str(model_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN, **common))
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory):
+    """The tiny Llama with a Llama 3.1-style scaled table."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama3"), seed=3, rope=LLAMA3_ROPE)
+
+
+@pytest.fixture(scope="session")
+def llama3_engine(tiny_llama3_dir):
+    with running_engine(tiny_llama3_dir, max_num_batched_tokens=4096, max_num_seqs=16) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
+def llama3_reference(tiny_llama3_dir):
+    return ReferenceModel(tiny_llama3_dir)
 
 
 @pytest.fixture(scope="session")
 def full_engine(tiny_llama_dir):
     """Whole prompts in one step; prefix caching on (vLLM's default)."""
-    llm = _engine(tiny_llama_dir, max_num_batched_tokens=4096, max_num_seqs=16)
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    with running_engine(tiny_llama_dir, max_num_batched_tokens=4096, max_num_seqs=16) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="session")
 def chunked_engine(tiny_llama_dir):
     """Prompts prefilled in chunks of 64 tokens, so chunks start inside and past the window."""
-    llm = _engine(tiny_llama_dir, max_num_batched_tokens=64, max_num_seqs=8, enable_chunked_prefill=True)
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    with running_engine(tiny_llama_dir, max_num_batched_tokens=64, max_num_seqs=8, enable_chunked_prefill=True) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="session")
 def reference_model(tiny_llama_dir):
-    from reference_forward import ReferenceModel
-
     return ReferenceModel(tiny_llama_dir)
 
 
@@ -65,7 +87,8 @@ def engine_defaults():
 
 # Tests that start an engine or a server process take a minute or more: `-m "not slow"` skips
 # them (the unit tests then run in seconds); `make test` runs everything.
-ENGINE_FIXTURES = frozenset({"full_engine", "chunked_engine", "reference_model", "tensor_parallel_engine", "server"})
+ENGINE_FIXTURES = frozenset({"full_engine", "chunked_engine", "reference_model", "tensor_parallel_engine", "server",
+                             "llama3_engine", "llama3_reference"})
 SERVER_MODULES = frozenset({"test_server", "test_server_robustness", "test_plugin_engine", "test_tensor_parallel"})
 
 

@@ -14,6 +14,7 @@ from rope_plugins.ops import cpu, native
 from rope_plugins.ops.merge import merge_partials
 from rope_plugins.planner import StepPlanner
 from rope_plugins.reference import reference_attention
+from rope_plugins.checkpoint import CheckpointRotary
 from rope_plugins.settings import ExtensionSettings
 from rope_plugins.tracker import RowTables, row_values
 
@@ -70,7 +71,7 @@ def make_step(seed=0):
         slots.append(block_table[r, position[-new:] // BLOCK] * BLOCK + position[-new:] % BLOCK)
     tables = RowTables(len(ROWS), D // 2)
     for r, (settings, _, _) in enumerate(ROWS):
-        tables.write(r, row_values(settings, D, BASE))
+        tables.write(r, row_values(settings, CheckpointRotary.plain(D, BASE, 4096)))
     planner = StepPlanner(block_size=BLOCK, dtype=torch.float32, prefill_tile=PREFILL_TILE)
     starts = torch.tensor([0] + [new for _, _, new in ROWS]).cumsum(0)
     meta = planner.plan(tables, starts, torch.tensor(lengths), block_table, torch.cat(slots))

@@ -13,7 +13,7 @@ import torch
 
 from rope_plugins.engine import FEW_CORES
 from rope_plugins.settings import parse_settings
-from tiny_llama import TRAIN_LENGTH
+from tiny_models import TRAIN_LENGTH
 
 PROMPT_LENGTH = 600  # > 2 x max_position_embeddings (256), >> every window
 NEW_TOKENS = 6

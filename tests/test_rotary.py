@@ -19,6 +19,7 @@ from rope_plugins.rotary import (
     yarn_attention_factor,
     yarn_inv_freq,
 )
+from rope_plugins.checkpoint import CheckpointRotary
 from rope_plugins.settings import ExtensionSettings
 from rope_plugins.tracker import row_values
 
@@ -39,7 +40,7 @@ HAND = {
 @pytest.mark.parametrize("method", sorted(HAND))
 def test_frequencies_match_hand_calculation(method):
     settings = ExtensionSettings(method=method, factor=K, beta=0.5, train_length=512)
-    got = inv_freq(settings, D, BASE)
+    got = inv_freq(settings, CheckpointRotary.plain(D, BASE, 4096))
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, torch.tensor(HAND[method], dtype=torch.float64), rtol=1e-12, atol=0)
 
@@ -47,7 +48,7 @@ def test_frequencies_match_hand_calculation(method):
 @pytest.mark.parametrize("method", ["rerope", "leaky_rerope"])
 def test_relative_methods_keep_plain_frequencies(method):
     settings = ExtensionSettings(method=method, factor=K, train_length=512)
-    torch.testing.assert_close(inv_freq(settings, D, BASE), torch.tensor(HAND["none"], dtype=torch.float64),
+    torch.testing.assert_close(inv_freq(settings, CheckpointRotary.plain(D, BASE, 4096)), torch.tensor(HAND["none"], dtype=torch.float64),
                                rtol=1e-12, atol=0)
 
 
@@ -56,7 +57,7 @@ def test_relative_methods_keep_plain_frequencies(method):
     (64, 100000.0, 4.0, 0.625, 8192), (128, 500000.0, 16.0, 0.3, 4096), (8, 10000.0, 2.5, 0.9, 256)])
 def test_the_table_equals_the_oracle_transcriptions(method, head_dim, base, factor, beta, train_length):
     settings = ExtensionSettings(method=method, factor=factor, beta=beta, train_length=train_length)
-    torch.testing.assert_close(inv_freq(settings, head_dim, base), oracle_frequencies(settings, head_dim, base),
+    torch.testing.assert_close(inv_freq(settings, CheckpointRotary.plain(head_dim, base, 4096)), oracle_frequencies(settings, head_dim, base),
                                rtol=1e-12, atol=0)
 
 
@@ -81,11 +82,11 @@ def test_pi_and_yarn_rows_equal_transformers(head_dim, base, factor, train_lengt
     transformers' attention factor (which it puts on q and k alike)."""
     pi = ExtensionSettings(method="pi", factor=factor, train_length=train_length)
     theirs, _ = transformers_rope("linear", head_dim, base, factor=factor)
-    torch.testing.assert_close(row_values(pi, head_dim, base).theta, theirs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(row_values(pi, CheckpointRotary.plain(head_dim, base, 4096)).theta, theirs, rtol=1e-6, atol=0)
     yarn = ExtensionSettings(method="yarn", factor=factor, train_length=train_length)
     theirs, attention_factor = transformers_rope("yarn", head_dim, base, factor=factor,
                                                  original_max_position_embeddings=train_length)
-    ours = row_values(yarn, head_dim, base)
+    ours = row_values(yarn, CheckpointRotary.plain(head_dim, base, 4096))
     torch.testing.assert_close(ours.theta, theirs, rtol=1e-6, atol=0)
     assert ours.query_factor == pytest.approx(attention_factor**2, rel=1e-12)
 
@@ -129,7 +130,7 @@ def test_yarn_by_hand():
 def test_position_rules(fields, window, leak):
     """Near window w and leak ρ: ReRoPE clips at w (ρ = 0), Leaky ReRoPE leaks 1/k, the
     frequency methods have no window and keep every position (ρ = 1)."""
-    values = row_values(ExtensionSettings(train_length=64, **fields), 8, BASE)
+    values = row_values(ExtensionSettings(train_length=64, **fields), CheckpointRotary.plain(8, BASE, 4096))
     assert (values.window, values.leak) == (window, leak)
 
 
@@ -144,7 +145,7 @@ def test_log_n_factor():
     got = log_n_scale(positions, 512)
     expected = [1, 1, 1, math.log(513) / math.log(512), math.log(1024) / math.log(512), 12 / 9]
     torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
-    yarn = row_values(ExtensionSettings(method="yarn", factor=4.0, log_n=True, train_length=512), 8, BASE)
+    yarn = row_values(ExtensionSettings(method="yarn", factor=4.0, log_n=True, train_length=512), CheckpointRotary.plain(8, BASE, 4096))
     assert yarn.query_factor == pytest.approx((0.1 * math.log(4) + 1) ** 2) and yarn.log_n_length == 512
 
 

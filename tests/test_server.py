@@ -184,6 +184,8 @@ def test_auto_is_plain_rope_inside_the_training_length_and_the_extension_beyond(
 def test_models_health_version_metrics_tokenize(server, client):
     card = client.models.list().data[0]
     assert card.id == MODEL and card.model_extra["max_model_len"] == 4096 and card.model_extra["train_length"] == 8192
+    # SmolLM2's config: plain RoPE at base 100000, head dim 64
+    assert card.model_extra["rotary"] == {"kind": "default", "base": 100000.0, "head_dim": 64, "attention_factor": 1.0}
     assert httpx.get(f"{server.base}/health").status_code == 200  # no key needed
     assert httpx.get(f"{server.base}/version").json()["version"] == package_version("rope-extend-server")
     counted = ("rope_extend_requests_total", "rope_extend_prompt_tokens_total", "rope_extend_generation_tokens_total",

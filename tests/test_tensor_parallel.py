@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ENGINE_DEFAULTS, MAX_MODEL_LEN
+from conftest import running_engine
 from rope_plugins.engine import cpu_worker_cores
 from test_plugin_engine import METHODS, PROMPT_LENGTH, assert_close_logprobs, assert_matches_oracle, prompt, run
 
@@ -19,17 +19,9 @@ def test_cores_are_split_among_the_workers():
 
 @pytest.fixture(scope="module")
 def tensor_parallel_engine(tiny_llama_dir):
-    from vllm import LLM
-
-    from rope_plugins.engine import compute_on_every_core, engine_kwargs
-
-    compute_on_every_core(2)
-    llm = LLM(**engine_kwargs(str(tiny_llama_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN,
-                              skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
-                              kv_cache_memory_bytes=1 << 27, seed=0, max_num_batched_tokens=4096, max_num_seqs=16,
-                              tensor_parallel_size=2, distributed_executor_backend="mp"))
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    with running_engine(tiny_llama_dir, max_num_batched_tokens=4096, max_num_seqs=16, tensor_parallel_size=2,
+                        distributed_executor_backend="mp") as llm:
+        yield llm
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
 from rope_plugins import tracker as tracker_module
+from rope_plugins.checkpoint import CheckpointRotary
 from rope_plugins.settings import EXTRA_ARGS_KEY, ExtensionSettings
 from rope_plugins.tracker import ROW_VALUES_CACHE_SIZE, RequestSettingsTracker, cached_row_values
 
@@ -47,10 +48,10 @@ def test_settings_the_front_end_would_refuse_fall_back_to_the_defaults(tracker, 
 
 
 def test_a_failure_while_building_the_row_falls_back_instead_of_killing_the_engine(tracker, monkeypatch):
-    def broken(settings, head_dim, base):
+    def broken(settings, rotary):
         if settings.method == "yarn":
             raise ValueError("Overflow when unpacking long long")
-        return real(settings, head_dim, base)
+        return real(settings, rotary)
 
     real = tracker_module.row_values
     cached_row_values.cache_clear()
@@ -76,6 +77,6 @@ def test_bounds_keep_every_accepted_value_inside_the_worker_tables():
 
     largest = ExtensionSettings(method="leaky_rerope", train_length=MAX_POSITIONS, window=MAX_POSITIONS - 1,
                                 leaky_k=MAX_LEAKY_K, log_n=True)
-    values = tracker_module.row_values(largest, HEAD_DIM, 100000.0)
+    values = tracker_module.row_values(largest, CheckpointRotary.plain(HEAD_DIM, 100000.0, 4096))
     for value in (values.theta, values.window, values.leak, values.log_n_length, values.query_factor):
         assert torch.isfinite(torch.as_tensor(value, dtype=torch.float64)).all()

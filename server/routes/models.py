@@ -1,4 +1,4 @@
-"""GET /v1/models: the served model, its served maximum context and its training length."""
+"""GET /v1/models: the served model, its served maximum context, its training length and rotary."""
 
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ from fastapi import APIRouter, Depends
 from ..dependencies import ready_service, require_api_key
 from ..engine import EngineService
 from ..errors import ERROR_RESPONSES
-from ..schemas import ModelCard, ModelList
+from ..schemas import ModelCard, ModelList, RotaryCard
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(service: EngineService = Depends(ready_service)) -> ModelList:
+    rotary = service.rotary
     return ModelList(data=[ModelCard(
         id=service.model_name, created=service.created, root=service.model_path,
         max_model_len=service.config.max_model_len, train_length=service.train_length,
+        rotary=RotaryCard(kind=rotary.kind, base=rotary.base, head_dim=rotary.head_dim,
+                          attention_factor=rotary.attention_factor),
         default_context_extension={**service.config.extension_defaults(), "auto_method": service.config.auto_method})])
