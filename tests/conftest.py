@@ -49,14 +49,10 @@ def tiny_llama3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def llama3_engine(tiny_llama3_dir):
+def llama3(tiny_llama3_dir):
+    """The plugin's engine and the oracle on the tiny Llama with a Llama 3.1-style table."""
     with running_engine(tiny_llama3_dir, max_num_batched_tokens=4096, max_num_seqs=16) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="session")
-def llama3_reference(tiny_llama3_dir):
-    return ReferenceModel(tiny_llama3_dir)
+        yield llm, ReferenceModel(tiny_llama3_dir)
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +84,7 @@ def engine_defaults():
 # Tests that start an engine or a server process take a minute or more: `-m "not slow"` skips
 # them (the unit tests then run in seconds); `make test` runs everything.
 ENGINE_FIXTURES = frozenset({"full_engine", "chunked_engine", "reference_model", "tensor_parallel_engine", "server",
-                             "llama3_engine", "llama3_reference"})
+                             "llama3"})
 SERVER_MODULES = frozenset({"test_server", "test_server_robustness", "test_plugin_engine", "test_tensor_parallel"})
 
 

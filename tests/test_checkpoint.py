@@ -133,15 +133,16 @@ SCALED_METHODS = [{"method": "none"}, {"method": "rerope", "window": 37}, {"meth
                   {"method": "pi", "factor": 2.0}]
 
 
-def test_every_method_on_a_scaled_checkpoint_matches_the_oracle(llama3_engine, llama3_reference, engine_defaults):
+def test_every_method_on_a_scaled_checkpoint_matches_the_oracle(llama3, engine_defaults):
     from test_plugin_engine import PROMPT_LENGTH, assert_matches_oracle, prompt, run
 
+    engine, reference = llama3
     requests = [(prompt(900 + i, PROMPT_LENGTH - 9 * i), fields) for i, fields in enumerate(SCALED_METHODS)]
-    for result, (ids, fields) in zip(run(llama3_engine, requests, engine_defaults), requests):
-        assert_matches_oracle(result, ids, fields, llama3_reference, engine_defaults)
+    for result, (ids, fields) in zip(run(engine, requests, engine_defaults), requests):
+        assert_matches_oracle(result, ids, fields, reference, engine_defaults)
 
 
-def test_none_on_a_scaled_checkpoint_equals_stock_vllm(tiny_llama3_dir, llama3_engine, engine_defaults):
+def test_none_on_a_scaled_checkpoint_equals_stock_vllm(tiny_llama3_dir, llama3, engine_defaults):
     """Stock vLLM rotates with its own llama3 table: the plugin's reading of it must agree."""
     from test_plugin_engine import prompt, run
     from vllm import LLM, SamplingParams
@@ -154,7 +155,7 @@ def test_none_on_a_scaled_checkpoint_equals_stock_vllm(tiny_llama3_dir, llama3_e
         requests = [(prompt(950 + i, 180 + 13 * i), {"method": "none"}) for i in range(3)]
         params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
         theirs = stock.generate([{"prompt_token_ids": ids} for ids, _ in requests], params, use_tqdm=False)
-        for (ids, _), stock_out, ours in zip(requests, theirs, run(llama3_engine, requests, engine_defaults)):
+        for (ids, _), stock_out, ours in zip(requests, theirs, run(llama3[0], requests, engine_defaults)):
             stock_logprobs = torch.tensor([e[ids[i + 1]].logprob for i, e in enumerate(stock_out.prompt_logprobs[1:])],
                                           dtype=torch.float64)
             torch.testing.assert_close(ours.prompt_logprobs, stock_logprobs, rtol=0, atol=1e-4)
