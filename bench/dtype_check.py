@@ -5,8 +5,9 @@
 
 For each model, dtype (float32, bfloat16) and engine (stock vLLM, the plugin with ``none``):
 the loss of 2k tokens of real text (mean negative log-likelihood of its tokens) and the greedy
-answer to a chat question with the model's own template. A dtype is correct for a model when
-both engines answer the question and the loss stays within 0.05 nats of float32's.
+answer to a question: in a chat with the model's own template, or, for Gemma-3-270M (a
+pretrained base model, which does not chat), as a text to complete. A dtype is correct for a
+model when both engines answer the question and the loss stays within 0.05 nats of float32's.
 Writes bench/results/dtype.json.
 """
 
@@ -26,14 +27,14 @@ RESULTS = ROOT / "bench" / "results"
 DTYPES = ("float32", "bfloat16")
 LOSS_TOLERANCE = 0.05  # nats: more than this above float32's loss is a wrong model, not rounding
 TEXT_TOKENS = 2048
-QUESTIONS = {  # the question each model is asked, and what a correct answer contains
-    "smollm2-135m": ("What is the capital of France?", ("Paris",)),
-    "qwen2.5-coder-0.5b": ("Write a Python function that returns the sum of a list of numbers.", ("def", "sum")),
-    "gemma-3-270m": ("What is the capital of France?", ("Paris",)),
+QUESTIONS = {  # how each model is asked (a chat, or a text to complete), what, and what a correct answer contains
+    "smollm2-135m": ("chat", "What is the capital of France?", ("Paris",)),
+    "qwen2.5-coder-0.5b": ("chat", "Write a Python function that returns the sum of a list of numbers.", ("def", "sum")),
+    "gemma-3-270m": ("completion", "Question: What is the capital of France?\nAnswer:", ("Paris",)),
 }
 
 
-def measure(directory: Path, dtype: str, plugin: bool, question: str) -> dict:
+def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str) -> dict:
     """One engine's loss on the real text and its answer to the question."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -44,12 +45,16 @@ def measure(directory: Path, dtype: str, plugin: bool, question: str) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     text_ids = tokenizer(load_corpus("pydoc")[: TEXT_TOKENS * 8]).input_ids[:TEXT_TOKENS]
-    chat_ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-    chat_ids = list(chat_ids["input_ids"] if isinstance(chat_ids, dict) else chat_ids)
+    if kind == "chat":
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+        question_ids = tokenizer(chat, add_special_tokens=False).input_ids
+    else:
+        question_ids = tokenizer(question).input_ids
     common = dict(dtype=dtype, max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
     llm = LLM(**engine_kwargs(str(directory), **common)) if plugin else LLM(model=str(directory), **common)
     try:
-        prompts = [{"prompt_token_ids": text_ids}, {"prompt_token_ids": chat_ids}]
+        prompts = [{"prompt_token_ids": text_ids}, {"prompt_token_ids": question_ids}]
         params = [SamplingParams(max_tokens=1, prompt_logprobs=0), SamplingParams(max_tokens=64, temperature=0.0)]
         if plugin:
             defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
@@ -75,7 +80,7 @@ def verdicts(rows: list[dict]) -> dict[str, dict[str, bool]]:
 
 def markdown(report: dict) -> str:
     lines = [f"Measured {report['date'][:10]} on {report['machine']}: loss of {report['text_tokens']:,} tokens of "
-             "real text (nats per token) and the greedy answer to a chat question, stock vLLM and the plugin "
+             "real text (nats per token) and the greedy answer to a question, stock vLLM and the plugin "
              "(`none`).", "", "| model | dtype | engine | loss | answer correct |", "| --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
         lines.append(f"| {r['model']} | {r['dtype']} | {r['engine']} | {r['loss']:.3f} | "
@@ -104,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(name, dtype, engine) for name in names for dtype in DTYPES for engine in ("stock", "plugin")]
     rows, began = [], time.perf_counter()
     for name, dtype, engine in tqdm(runs, desc="dtype check", unit="engine"):
-        question, expected = QUESTIONS[name]
-        result = measure(provision(name), dtype, engine == "plugin", question)
+        kind, question, expected = QUESTIONS[name]
+        result = measure(provision(name), dtype, engine == "plugin", kind, question)
         rows.append({"model": name, "dtype": dtype, "engine": engine, **result,
                      "answer_correct": all(word in result["answer"] for word in expected)})
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

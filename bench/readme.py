@@ -32,6 +32,7 @@ RENDERERS = {
     "soak": ("soak", "markdown"),
     "fuzz": ("fuzz", "markdown"),
     "base_bound_row": ("base_bound_row", "markdown"),
+    "dtype": ("dtype_check", "markdown"),
 }
 
 

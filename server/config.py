@@ -45,7 +45,7 @@ class ServerConfig(BaseModel):
     leaky_k: float | None = Field(None, description="default Leaky ReRoPE slope divisor")
     beta: float | None = Field(None, description="default ntk_mixed exponent")
     log_n: bool = Field(False, description="default log-n query scaling")
-    dtype: str = Field("float32", description="model dtype (vLLM's CPU backend needs float32 for SmolLM2)")
+    dtype: str = Field("float32", description="model dtype (bfloat16 answers correctly too for the provisioned models)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
     max_num_seqs: int = Field(8, description="sequences decoded together")
     # a decoding request waits for each step's prompt chunk: the step-budget measurement
