@@ -95,6 +95,17 @@ def test_what_is_not_served_is_refused_with_the_reason(rope, reason):
         checkpoint_rotary(config)
 
 
+def test_an_architecture_not_served_is_refused_by_name(tmp_path):
+    from transformers import Gemma2Config
+
+    from rope_plugins.engine import engine_kwargs
+
+    Gemma2Config(head_dim=64, num_attention_heads=2, hidden_size=128, architectures=["Gemma2ForCausalLM"]
+                 ).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedCheckpoint, match="architecture Gemma2ForCausalLM is not served"):
+        engine_kwargs(str(tmp_path), defaults={"method": "rerope"})
+
+
 def test_methods_on_a_scaled_table_by_hand():
     """A linear-2 checkpoint at d = 8, b = 10000: θ_ckpt = 0.5, 0.05, 0.005, 0.0005. Each method
     multiplies it by what it does to plain RoPE: PI 1/k, NTK-old k^(-i/4), and the window

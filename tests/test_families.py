@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_plugin_engine import PROMPT_LENGTH, assert_matches_oracle, prompt, run
+from test_plugin_engine import PROMPT_LENGTH, assert_close_logprobs, assert_matches_oracle, prompt, run
 from tiny_models import TRAIN_LENGTH, make_tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 ENGINE_DEFAULTS = {"method": "rerope", "window": 37}
 MIXED = [{"method": "none"}, {"method": "rerope", "window": 37}, {"method": "leaky_rerope", "window": 50},
          {"method": "ntk_mixed", "factor": 4.0, "log_n": True}, {"method": "yarn", "factor": 4.0},
-         {"method": "pi", "factor": 2.0}]
+         {"method": "pi", "factor": 2.0}, {"method": "ntk_old", "factor": 4.0}, {"method": "ntk_fixed", "factor": 3.0}]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -83,7 +83,13 @@ def test_none_equals_stock_vllm(family):
 
 
 @pytest.mark.slow
-def test_every_method_mixed_and_chunked_matches_the_oracle(family):
+def test_every_method_mixed_and_chunked_matches_the_oracle_and_alone(family):
+    """Every method in one batch against the oracle; then each alone, which answers as in the batch."""
     requests = [(prompt(60 + i, PROMPT_LENGTH - 11 * i), fields) for i, fields in enumerate(MIXED)]
-    for result, (ids, fields) in zip(run(family["plugin"], requests, family["defaults"]), requests):
+    mixed = run(family["plugin"], requests, family["defaults"])
+    for result, (ids, fields) in zip(mixed, requests):
         assert_matches_oracle(result, ids, fields, family["reference"], family["defaults"])
+    for in_batch, request in zip(mixed, requests):
+        [alone] = run(family["plugin"], [request], family["defaults"])
+        assert_close_logprobs(alone.prompt_logprobs, in_batch.prompt_logprobs, f"{request[1]} alone")
+        assert alone.tokens == in_batch.tokens, request[1]
