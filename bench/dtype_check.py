@@ -34,17 +34,23 @@ QUESTIONS = {  # how each model is asked (a chat, or a text to complete), what, 
 }
 
 
+def real_text_ids(tokenizer, count: int = TEXT_TOKENS) -> list[int]:
+    """The first ``count`` tokens of the corpus (CPython's documentation) under ``tokenizer``."""
+    from deploy.corpus import load_corpus
+
+    return tokenizer(load_corpus("pydoc")[: count * 8]).input_ids[:count]
+
+
 def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str) -> dict:
     """One engine's loss on the real text and its answer to the question."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from deploy.corpus import load_corpus
     from rope_plugins.engine import engine_kwargs, extension_request
     from rope_plugins.settings import engine_defaults
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    text_ids = tokenizer(load_corpus("pydoc")[: TEXT_TOKENS * 8]).input_ids[:TEXT_TOKENS]
+    text_ids = real_text_ids(tokenizer)
     if kind == "chat":
         chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                              add_generation_prompt=True)

@@ -15,7 +15,6 @@ factor on q and k). The training length is ``original_max_position_embeddings`` 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,11 +100,7 @@ def _yarn(parameters: dict[str, Any], head_dim: int, base: float, length: int) -
     if attention_factor is None:
         mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            attention_factor = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
+            attention_factor = yarn_attention_factor(factor, mscale) / yarn_attention_factor(factor, mscale_all_dim)
         else:
             attention_factor = yarn_attention_factor(factor)
     return theta, float(attention_factor), original
-
-
-def _mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -83,9 +83,9 @@ def llama3_inv_freq(head_dim: int, base: float, factor: float, low_freq_factor: 
     return (1 - smooth) * theta / factor + smooth * theta
 
 
-def yarn_attention_factor(factor: float) -> float:
-    """YaRN's temperature: q and k are each scaled by ``0.1 ln k + 1``, so logits by its square."""
-    return 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature: q and k are each scaled by ``0.1 mscale ln k + 1``, so logits by its square."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def log_n_scale(positions: torch.Tensor, train_length: int | torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,9 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from rope_plugins.engine import engine_kwargs, extension_request
 from rope_plugins.checkpoint import CheckpointRotary, checkpoint_rotary
-from rope_plugins.settings import engine_defaults
-from rope_plugins.settings import ExtensionSettings, SettingsError, parse_settings
+from rope_plugins.engine import engine_kwargs, extension_request
+from rope_plugins.settings import ExtensionSettings, SettingsError, engine_defaults, parse_settings
 
 from .config import AUTO, ServerConfig
 from .errors import (bad_request, context_length_exceeded, engine_refusal, engine_unavailable, invalid_settings,

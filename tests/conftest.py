@@ -23,7 +23,19 @@ def tiny_llama_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
 
 
+# every test engine on a tiny checkpoint, the plugin's and stock vLLM's alike
+TINY_ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
+                   kv_cache_memory_bytes=1 << 27, seed=0)
+
+
 @contextlib.contextmanager
+def shut_down_after(llm):
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def running_engine(model_dir, **engine):
     """The plugin's engine on ``model_dir`` (the test defaults, overridden by ``engine``), shut
     down on exit."""
@@ -32,14 +44,16 @@ def running_engine(model_dir, **engine):
     from rope_plugins.engine import compute_on_every_core, engine_kwargs
 
     compute_on_every_core(int(engine.get("tensor_parallel_size", 1)))
-    common = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
-                  kv_cache_memory_bytes=1 << 27, seed=0)
-    common.update(engine)
-    llm = LLM(**engine_kwargs(str(model_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN, **common))
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    kwargs = engine_kwargs(str(model_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN,
+                           **{**TINY_ENGINE, **engine})
+    return shut_down_after(LLM(**kwargs))
+
+
+def stock_engine(model_dir):
+    """Stock vLLM on ``model_dir`` up to its training length, shut down on exit."""
+    from vllm import LLM
+
+    return shut_down_after(LLM(model=str(model_dir), max_model_len=TRAIN_LENGTH, **TINY_ENGINE))
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,16 @@ def test_the_table_is_transformers_own(kind, head_dim):
     assert ours.attention_factor == pytest.approx(oracle_factor, rel=1e-12)
 
 
+def test_a_yarn_with_mscale_has_transformers_attention_factor():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = llama_config({**YARN, "mscale": 0.707, "mscale_all_dim": 0.9})
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = checkpoint_rotary(config)
+    assert ours.attention_factor == pytest.approx(factor, rel=1e-12) and ours.attention_factor != 1.0
+    torch.testing.assert_close(ours.frequencies, theirs.double(), rtol=1e-6, atol=0)
+
+
 def test_llama3_by_hand():
     # d = 8, b = 10000: θ = 1, 0.1, 0.01, 0.001, wavelengths 2π/θ = 6.28, 62.8, 628, 6283; L = 1024,
     # low 1, high 4: kept below 1024/4 = 256, divided by 8 above 1024, pair 2 blended with
@@ -155,21 +165,9 @@ def test_every_method_on_a_scaled_checkpoint_matches_the_oracle(llama3, engine_d
 
 def test_none_on_a_scaled_checkpoint_equals_stock_vllm(tiny_llama3_dir, llama3, engine_defaults):
     """Stock vLLM rotates with its own llama3 table: the plugin's reading of it must agree."""
-    from test_plugin_engine import prompt, run
-    from vllm import LLM, SamplingParams
+    from conftest import stock_engine
+    from test_plugin_engine import assert_none_equals_stock, prompt
 
-    from tiny_models import TRAIN_LENGTH
-
-    stock = LLM(model=str(tiny_llama3_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                block_size=32, kv_cache_memory_bytes=1 << 27, max_model_len=TRAIN_LENGTH, seed=0)
-    try:
+    with stock_engine(tiny_llama3_dir) as stock:
         requests = [(prompt(950 + i, 180 + 13 * i), {"method": "none"}) for i in range(3)]
-        params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
-        theirs = stock.generate([{"prompt_token_ids": ids} for ids, _ in requests], params, use_tqdm=False)
-        for (ids, _), stock_out, ours in zip(requests, theirs, run(llama3[0], requests, engine_defaults)):
-            stock_logprobs = torch.tensor([e[ids[i + 1]].logprob for i, e in enumerate(stock_out.prompt_logprobs[1:])],
-                                          dtype=torch.float64)
-            torch.testing.assert_close(ours.prompt_logprobs, stock_logprobs, rtol=0, atol=1e-4)
-            assert list(stock_out.outputs[0].token_ids) == ours.tokens
-    finally:
-        stock.llm_engine.engine_core.shutdown()
+        assert_none_equals_stock(llama3[0], stock, requests, engine_defaults, "llama3")

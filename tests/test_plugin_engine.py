@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rope_plugins.engine import FEW_CORES
+from conftest import stock_engine
 from rope_plugins.settings import parse_settings
-from tiny_models import TRAIN_LENGTH
 
 PROMPT_LENGTH = 600  # > 2 x max_position_embeddings (256), >> every window
 NEW_TOKENS = 6
@@ -151,26 +151,26 @@ def test_prefix_cache_never_crosses_settings(request, engine_name, reference_mod
         "A's keys under B's rule went unnoticed: this test could not catch a salt that failed"
 
 
-def test_none_equals_stock_vllm_llama(tiny_llama_dir, full_engine, engine_defaults):
-    from vllm import LLM, SamplingParams
+def assert_none_equals_stock(plugin, stock, requests, defaults, what: str = "") -> None:
+    """``none`` through the plugin answers as stock vLLM: the prompts' log-probabilities (1e-4),
+    the greedy tokens, and as many KV blocks in the same cache memory (K and V planes only)."""
+    from vllm import SamplingParams
 
-    stock = LLM(model=str(tiny_llama_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                block_size=32, kv_cache_memory_bytes=1 << 27, max_model_len=TRAIN_LENGTH, seed=0)
-    try:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+    theirs = stock.generate([{"prompt_token_ids": ids} for ids, _ in requests], params, use_tqdm=False)
+    for (ids, _), stock_out, ours in zip(requests, theirs, run(plugin, requests, defaults)):
+        stock_logprobs = torch.tensor([e[ids[i + 1]].logprob for i, e in enumerate(stock_out.prompt_logprobs[1:])],
+                                      dtype=torch.float64)
+        torch.testing.assert_close(ours.prompt_logprobs, stock_logprobs, rtol=0, atol=1e-4, msg=lambda m: f"{what}: {m}")
+        assert list(stock_out.outputs[0].token_ids) == ours.tokens, what
+    blocks = [llm.llm_engine.vllm_config.cache_config.num_gpu_blocks for llm in (plugin, stock)]
+    assert blocks[0] == blocks[1], what
+
+
+def test_none_equals_stock_vllm_llama(tiny_llama_dir, full_engine, engine_defaults):
+    with stock_engine(tiny_llama_dir) as stock:
         requests = [(prompt(500 + i, 200 + 11 * i), {"method": "none"}) for i in range(3)]
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
-        stock_out = stock.generate([{"prompt_token_ids": ids} for ids, _ in requests], params, use_tqdm=False)
-        plugin = run(full_engine, requests, engine_defaults)
-        for (ids, _), theirs, ours in zip(requests, stock_out, plugin):
-            stock_logprobs = torch.tensor([e[ids[i + 1]].logprob for i, e in enumerate(theirs.prompt_logprobs[1:])],
-                                          dtype=torch.float64)
-            torch.testing.assert_close(ours.prompt_logprobs, stock_logprobs, rtol=0, atol=1e-4)
-            assert list(theirs.outputs[0].token_ids) == ours.tokens
-        # K and V planes only: the same cache memory holds as many blocks as stock vLLM's
-        stock_blocks = stock.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        assert full_engine.llm_engine.vllm_config.cache_config.num_gpu_blocks == stock_blocks
-    finally:
-        stock.llm_engine.engine_core.shutdown()
+        assert_none_equals_stock(full_engine, stock, requests, engine_defaults, "llama")
 
 
 @pytest.mark.parametrize("fields,field", [({"method": "rerope3"}, "method"), ({"window": -4}, "window"),

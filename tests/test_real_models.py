@@ -11,31 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dtype_check import QUESTIONS, real_text_ids
 from test_server import API_KEY, start_server
 
 pytestmark = pytest.mark.slow
 
-REAL_TEXT_TOKENS = 2048
-QUESTIONS = {  # a question each answers (a chat, or a text to complete), and what a correct answer contains
-    "qwen2.5-coder-0.5b": ("chat", "Write a Python function that returns the sum of a list of numbers.", ("def", "sum")),
-    "gemma-3-270m": ("completion", "Question: What is the capital of France?\nAnswer:", ("Paris",)),
-}
 
-
-@pytest.fixture(scope="module", params=sorted(QUESTIONS))
+@pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-0.5b"])
 def real_model(request):
     from server.provision import provision
 
     return request.param, provision(request.param)
-
-
-def real_text_ids(directory, count: int) -> list[int]:
-    from transformers import AutoTokenizer
-
-    from deploy.corpus import load_corpus
-
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    return tokenizer(load_corpus("pydoc")[: count * 8]).input_ids[:count]
 
 
 def test_none_equals_stock_vllm_on_real_text(real_model):
@@ -45,7 +31,9 @@ def test_none_equals_stock_vllm_on_real_text(real_model):
     from rope_plugins.settings import engine_defaults
 
     name, directory = real_model
-    ids = real_text_ids(directory, REAL_TEXT_TOKENS)
+    from transformers import AutoTokenizer
+
+    ids = real_text_ids(AutoTokenizer.from_pretrained(directory))
     params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
     common = dict(dtype="float32", max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
     compute_on_every_core()
