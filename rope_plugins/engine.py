@@ -70,14 +70,24 @@ def compute_on_every_core(workers: int = 1) -> None:
     _binding_set_here = binding
 
 
+# where the engine's config says which attention ops to run (``additional_config``)
+OPS_KEY = "rope_extend_attention_ops"
+ATTENTION_OPS = ("cpu", "triton")
+
+
 def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
-                  **engine: Any) -> dict[str, Any]:
+                  attention_ops: str | None = None, **engine: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` serving ``model`` with the plugin.
 
     ``defaults`` are the engine's extension settings (fields of ExtensionSettings), which
     requests override. Serving past the checkpoint's ``max_position_embeddings`` needs an
     extension method among the defaults.
+
+    ``attention_ops``: CUDA tensors always take the Triton kernels; ``"triton"`` runs them on
+    CPU tensors too (under ``TRITON_INTERPRET=1``: the tests' way to check the GPU path here).
     """
+    if attention_ops not in (None, *ATTENTION_OPS):
+        raise ValueError(f"attention_ops must be one of {ATTENTION_OPS}, not {attention_ops!r}")
     architecture, train_length = checkpoint_facts(model)
     settings = parse_settings(defaults, ExtensionSettings(train_length=train_length))
     served = max_model_len or train_length
@@ -91,6 +101,8 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_mod
         CONFIG_KEY: settings.model_dump(),
         "max_position_embeddings": max(served, train_length),
     })
+    if attention_ops is not None:
+        engine["additional_config"] = {**(engine.get("additional_config") or {}), OPS_KEY: attention_ops}
     processors = [RequestSettingsTracker, *(engine.pop("logits_processors", None) or [])]
     return dict(model=model, hf_overrides=overrides, max_model_len=served, logits_processors=processors, **engine)
 
