@@ -22,21 +22,29 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from .engine import OPS_KEY
 from .ops import cpu
 from .ops.native import decode_kernel
-from .planner import StepPlan, StepPlanner
+from .planner import KernelPlan, StepPlan, StepPlanner, kernel_plan
 from .plugin import BACKEND_NAME
 from .tracker import RequestSettingsTracker
 
 
-class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
-    """The step's plan from its rows and each row's settings, once per step for all layers."""
+def runs_triton(vllm_config: VllmConfig, device: torch.device) -> bool:
+    """CUDA tensors take the Triton kernels; CPU ones too when the engine's config says so."""
+    return device.type == "cuda" or (vllm_config.additional_config or {}).get(OPS_KEY) == "triton"
+
+
+class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan | KernelPlan]):
+    """The step's plan from its rows and each row's settings, once per step for all layers:
+    a :class:`KernelPlan` for the Triton kernels, a :class:`StepPlan` for the CPU ops."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.vllm_config = vllm_config
         self.planner = StepPlanner(block_size=kv_cache_spec.block_size, dtype=vllm_config.model_config.dtype)
+        self.triton = runs_triton(vllm_config, device)
 
     def tracker(self) -> RequestSettingsTracker:
         tracker = RequestSettingsTracker.for_config(self.vllm_config)
@@ -47,15 +55,20 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
         return tracker
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> StepPlan:
+              fast_build: bool = False) -> StepPlan | KernelPlan:
         common = common_attn_metadata
         rows = common.num_reqs
+        if self.triton:
+            return kernel_plan(self.tracker().tables, query_start_cpu=common.query_start_loc_cpu,
+                               query_start=common.query_start_loc, seq_lens=common.seq_lens[:rows],
+                               max_seq_len=common.max_seq_len, block_table=common.block_table_tensor,
+                               slot_mapping=common.slot_mapping[: common.num_actual_tokens])
         return self.planner.plan(self.tracker().tables, common.query_start_loc_cpu[: rows + 1].to(torch.int64),
                                  common.seq_lens[:rows].to("cpu", torch.int64), common.block_table_tensor,
                                  common.slot_mapping[: common.num_actual_tokens])
 
 
-class RopeExtendAttentionImpl(AttentionImpl[StepPlan]):
+class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
@@ -70,10 +83,11 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan]):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.use_kernel = True  # the tests switch it off to compare against the PyTorch path
-        decode_kernel()  # build or load it now, at model construction, not inside the first step
+        if not torch.cuda.is_available():
+            decode_kernel()  # build or load it now, at model construction, not inside the first step
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: StepPlan | None, output: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: StepPlan | KernelPlan | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
@@ -82,6 +96,14 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan]):
         plan = attn_metadata
         tokens = plan.num_actual_tokens
         query, key, value = query[:tokens], key[:tokens], value[:tokens]
+        if isinstance(plan, KernelPlan):
+            from .ops import gpu  # imports Triton: only where the kernels run
+
+            if self.kv_sharing_target_layer_name is None:
+                gpu.write_cache(key, value, kv_cache, plan.slot_mapping)
+            gpu.prefill(query, kv_cache, plan, output, scale=self.scale)
+            gpu.decode(query, kv_cache, plan, output, scale=self.scale)
+            return output
         if self.kv_sharing_target_layer_name is None:
             cpu.write_cache(key, value, kv_cache, plan.slot_mapping)
         if plan.decode is not None:

@@ -18,6 +18,12 @@ from .tracker import RowTables
 PREFILL_TILE = 256  # queries per near-band tile in prefill (at most the window)
 FAR_TABLES_KEPT = 16  # far-key rotation tables kept between steps (one per distinct (θ, ρ))
 
+# the Triton kernels' tiling (rope_plugins/ops/gpu.py)
+QUERY_TILE = 32  # queries per prefill program
+KEY_TILE = 32  # keys per inner step, prefill and decode
+DECODE_SPLITS = 16  # splits of the longest decode row (each at least MIN_SPLIT_KEYS keys)
+MIN_SPLIT_KEYS = 256
+
 
 @dataclass(frozen=True)
 class Rotation:
@@ -128,6 +134,80 @@ class StepRows:
     @property
     def query_lens(self) -> torch.Tensor:
         return self.starts[1:] - self.starts[:-1]
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """The Triton prefill's programs: tile ``i`` is queries ``start[i] .. + size`` of the
+    chunk of batch row ``row[i]``."""
+
+    row: torch.Tensor  # [tiles] int32
+    start: torch.Tensor  # [tiles] int32
+    size: int
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The Triton decode's rows (one query each) and its split of their keys."""
+
+    row: torch.Tensor  # [Rd] int32 batch rows
+    split_keys: int  # keys per split
+    splits: int  # splits of the longest row; a shorter row's last ones are empty
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The attention metadata of one step for the Triton kernels: each row's rule as numbers
+    (the kernels form every angle themselves), on the device."""
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [T]
+    block_table: torch.Tensor  # [R, max_blocks]
+    query_start: torch.Tensor  # [R + 1]
+    seq_lens: torch.Tensor  # [R]
+    theta: torch.Tensor  # [R, d/2] float64
+    window: torch.Tensor  # [R] int64
+    leak: torch.Tensor  # [R] float64
+    log_n_length: torch.Tensor  # [R] float64
+    query_factor: torch.Tensor  # [R] float64
+    prefill_tiles: PrefillTiles | None
+    decode_rows: DecodeRows | None
+
+
+def decode_split(longest: int, *, min_split_keys: int = MIN_SPLIT_KEYS) -> tuple[int, int]:
+    """Keys per split (a multiple of the key tile) and the number of splits, for decode rows of
+    at most ``longest`` keys: enough programs to fill a GPU, none shorter than ``min_split_keys``."""
+    split_keys = max(min_split_keys, -(-longest // DECODE_SPLITS))
+    split_keys = -(-split_keys // KEY_TILE) * KEY_TILE
+    return split_keys, -(-longest // split_keys)
+
+
+def kernel_plan(tables: RowTables, *, query_start_cpu: torch.Tensor, query_start: torch.Tensor,
+                seq_lens: torch.Tensor, max_seq_len: int, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                query_tile: int = QUERY_TILE, min_split_keys: int = MIN_SPLIT_KEYS) -> KernelPlan:
+    """The step's :class:`KernelPlan`. ``tables`` row i is batch row i (CPU); the batch's
+    tensors are on the device already; only the row starts are read on the host."""
+    device, rows = query_start.device, seq_lens.numel()
+    query_lens = (query_start_cpu[1: rows + 1] - query_start_cpu[:rows]).to(torch.int64)
+    prefill = (query_lens > 1).nonzero().flatten()
+    tiles = None
+    if prefill.numel():
+        per_row = -(-query_lens[prefill] // query_tile)
+        row = torch.repeat_interleave(prefill, per_row)
+        first_tile = torch.cumsum(per_row, 0) - per_row
+        start = (torch.arange(row.numel()) - torch.repeat_interleave(first_tile, per_row)) * query_tile
+        tiles = PrefillTiles(row=row.to(device, torch.int32), start=start.to(device, torch.int32), size=query_tile)
+    decode = (query_lens == 1).nonzero().flatten()
+    decode_rows = None
+    if decode.numel():
+        split_keys, splits = decode_split(max_seq_len, min_split_keys=min_split_keys)
+        decode_rows = DecodeRows(row=decode.to(device, torch.int32), split_keys=split_keys, splits=splits)
+    on_device = lambda table: table[:rows].to(device, non_blocking=True)  # noqa: E731
+    return KernelPlan(
+        num_actual_tokens=int(query_start_cpu[rows]), slot_mapping=slot_mapping, block_table=block_table,
+        query_start=query_start[: rows + 1], seq_lens=seq_lens, theta=on_device(tables.theta),
+        window=on_device(tables.window), leak=on_device(tables.leak), log_n_length=on_device(tables.log_n_length),
+        query_factor=on_device(tables.query_factor), prefill_tiles=tiles, decode_rows=decode_rows)
 
 
 def log_n_factor(positions: torch.Tensor, log_n_length: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels (rope_plugins/ops/gpu.py) run in Triton's interpreter on CPU
+# tensors; it is read when a kernel is decorated, so before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # the benchmark scripts and the server launcher the tests share with them
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -84,6 +91,15 @@ def chunked_engine(tiny_llama_dir):
 
 
 @pytest.fixture(scope="session")
+def triton_engine(tiny_llama_dir):
+    """The Triton kernels (rope_plugins/ops/gpu.py) in the engine, on CPU tensors under Triton's
+    interpreter; prompts in chunks of 128 tokens."""
+    with running_engine(tiny_llama_dir, attention_ops="triton", max_num_batched_tokens=128, max_num_seqs=16,
+                        enable_chunked_prefill=True) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
 def reference_model(tiny_llama_dir):
     return ReferenceModel(tiny_llama_dir)
 
@@ -98,7 +114,7 @@ def engine_defaults():
 # Tests that start an engine or a server process take a minute or more: `-m "not slow"` skips
 # them (the unit tests then run in seconds); `make test` runs everything.
 ENGINE_FIXTURES = frozenset({"full_engine", "chunked_engine", "reference_model", "tensor_parallel_engine", "server",
-                             "llama3"})
+                             "llama3", "triton_engine"})
 SERVER_MODULES = frozenset({"test_server", "test_server_robustness", "test_plugin_engine", "test_tensor_parallel"})
 
 

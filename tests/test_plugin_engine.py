@@ -117,6 +117,18 @@ def test_chunked_prefill_matches_one_full_prefill(full_engine, chunked_engine, r
         assert_matches_oracle(chunk_result, ids, fields, reference_model, engine_defaults)
 
 
+def test_triton_kernels_in_the_engine_match_the_oracle_and_the_cpu_ops(triton_engine, full_engine, reference_model,
+                                                                       engine_defaults):
+    """Every method in one batch through the Triton kernels (the GPU path, here under Triton's
+    interpreter), prefilled in chunks of 128: the oracle's answers, and the CPU ops' to 2e-5."""
+    requests = [(prompt(500 + i, 300 - 5 * i), fields) for i, fields in enumerate(METHODS)]
+    kernels, cpu_ops = run(triton_engine, requests, engine_defaults), run(full_engine, requests, engine_defaults)
+    for result, cpu_result, (ids, fields) in zip(kernels, cpu_ops, requests):
+        assert_matches_oracle(result, ids, fields, reference_model, engine_defaults)
+        assert_close_logprobs(result.prompt_logprobs, cpu_result.prompt_logprobs, f"{fields} triton vs cpu ops")
+        assert result.tokens == cpu_result.tokens
+
+
 @pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine"])
 def test_prefix_cache_never_crosses_settings(request, engine_name, reference_model, engine_defaults):
     """Every run here reads the prefix cache (no prompt log-probabilities). A prompt cached
