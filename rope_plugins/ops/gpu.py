@@ -282,6 +282,11 @@ def decode_reduce_kernel(out_ptr, partial_ptr, lse_ptr, query_start_ptr, decode_
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD)
 
 
+def pairs_padded(head: int) -> int:
+    """The rotation pairs ``d/2`` padded to a power of two, at least 16 (``tl.dot``'s minimum)."""
+    return max(16, triton.next_power_of_2(head // 2))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 models score in true float32 (GPUs default to TF32, 10-bit mantissas)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -293,13 +298,14 @@ def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, outpu
     tiles = plan.prefill_tiles
     if tiles is None:
         return
+    assert kv_cache.stride(-1) == 1 and query.stride(-1) == 1, "the kernels read rows of d contiguous values"
     heads, head = query.shape[1], query.shape[2]
     prefill_kernel[(tiles.row.numel(), heads)](
         output, query, kv_cache, plan.block_table, plan.query_start, plan.seq_lens, plan.theta, plan.window,
         plan.leak, plan.log_n_length, plan.query_factor, tiles.row, tiles.start, scale, query.stride(0), query.stride(1),
         output.stride(0), output.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         plan.block_table.stride(0), plan.theta.stride(0), BLOCK_SIZE=kv_cache.shape[2],
-        GROUP=heads // kv_cache.shape[1], HALF=head // 2, HALF_PAD=triton.next_power_of_2(head // 2),
+        GROUP=heads // kv_cache.shape[1], HALF=head // 2, HALF_PAD=pairs_padded(head),
         QUERY_TILE=tiles.size, KEY_TILE=KEY_TILE, PRECISION=dot_precision(query.dtype))
 
 
@@ -319,7 +325,7 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), plan.block_table.stride(0), plan.theta.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_SIZE=kv_cache.shape[2], GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HALF=head // 2,
-        HALF_PAD=triton.next_power_of_2(head // 2), KEY_TILE=KEY_TILE)
+        HALF_PAD=pairs_padded(head), KEY_TILE=KEY_TILE)
     decode_reduce_kernel[(count, heads)](
         output, partial, lse, plan.query_start, rows.row, rows.splits, output.stride(0), output.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), HEAD=head,
