@@ -129,14 +129,14 @@ def test_triton_kernels_in_the_engine_match_the_oracle_and_the_cpu_ops(triton_en
         assert result.tokens == cpu_result.tokens
 
 
-@pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine"])
+@pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine", "triton_engine"])
 def test_prefix_cache_never_crosses_settings(request, engine_name, reference_model, engine_defaults):
     """Every run here reads the prefix cache (no prompt log-probabilities). A prompt cached
     under A is not reused under B, and B's answer is B's; B's own blocks are reused and change
     nothing; and the negative control: without the salt, B does reuse A's blocks and answers
     differently, so a salt that failed would show."""
     llm = request.getfixturevalue(engine_name)
-    seed = 300 if engine_name == "full_engine" else 400
+    seed = {"full_engine": 300, "chunked_engine": 400, "triton_engine": 600}[engine_name]
     setting_a, setting_b = {"method": "rerope", "window": 40}, {"method": "ntk_mixed", "factor": 4.0}
     ids = prompt(seed)
     [a_first] = run(llm, [(ids, setting_a)], engine_defaults, prompt_logprobs=False)
