@@ -287,9 +287,10 @@ def pairs_padded(head: int) -> int:
     return max(16, triton.next_power_of_2(head // 2))
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 models score in true float32 (GPUs default to TF32, 10-bit mantissas)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """float32 models score in true float32 (GPUs default to TF32, 10-bit mantissas); half
+    precision takes the target's default."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
