@@ -154,6 +154,7 @@ def reference_attention(
     positions: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     neox_style: bool = True,
+    query_rows: torch.Tensor | None = None,
     query_rows_per_chunk: int = 64,
 ) -> torch.Tensor:
     """Causal attention of one sequence under ``settings``, keys and queries **unrotated**.
@@ -162,7 +163,10 @@ def reference_attention(
     (default ``0..seq-1``). The query at position m scores the key at n <= m as
     ``q_m^T R(-rel(m - n)) k_n`` with ``rel`` the method's effective relative position and
     ``R`` the rotation by the method's frequencies. ``rope``: the checkpoint's
-    ``rope_parameters`` when its rotary is scaled. Returns ``[seq, q_heads, d]``.
+    ``rope_parameters`` when its rotary is scaled. Returns ``[seq, q_heads, d]``, or only
+    the rows ``query_rows`` (indices into ``seq``) asks for, ``[len(query_rows), q_heads, d]``:
+    a step's new tokens cost their own rows, not the whole sequence's. ``query_rows_per_chunk``
+    bounds the memory: ``rows x seq x kv_heads x d`` rotated keys at a time.
     """
     seq_len, q_heads, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -176,10 +180,11 @@ def reference_attention(
     checkpoint_factor = oracle_checkpoint(rope, head_dim, base)[1] ** 2  # on q and k alike
     scaled_query = query.double() * (oracle_query_scale(settings, positions) * checkpoint_factor)[:, None, None]
     key64, value64 = key.double(), value.double()
-    out = torch.empty(seq_len, q_heads, head_dim, dtype=torch.float64)
+    wanted = torch.arange(seq_len) if query_rows is None else torch.as_tensor(query_rows, dtype=torch.int64)
+    out = torch.empty(wanted.numel(), q_heads, head_dim, dtype=torch.float64)
 
-    for start in range(0, seq_len, query_rows_per_chunk):
-        rows = slice(start, start + query_rows_per_chunk)
+    for start in range(0, wanted.numel(), query_rows_per_chunk):
+        rows = wanted[start: start + query_rows_per_chunk]
         distance = positions[rows, None] - positions[None, :]  # [rows, seq], m - n
         causal = distance >= 0
         relative = oracle_relative_position(settings, distance.clamp(min=0))
@@ -191,7 +196,7 @@ def reference_attention(
         scores = scores.masked_fill(~causal[:, None, None, :], float("-inf"))
         weights = scores.softmax(dim=-1)
         mixed = torch.einsum("rkgs,skd->rkgd", weights, value64)
-        out[rows] = mixed.reshape(-1, q_heads, head_dim)
+        out[start: start + rows.numel()] = mixed.reshape(-1, q_heads, head_dim)
     return out.to(query.dtype)
 
 

@@ -102,3 +102,17 @@ def test_rerope_by_hand_three_tokens():
     expected = [(weights[0] * 1 + weights[2] * 2) / total, (weights[1] * 1 + weights[2] * 2) / total]
     assert out[2, 0].tolist() == pytest.approx(expected, rel=1e-12)
     assert out[0, 0].tolist() == pytest.approx([1.0, 0.0])  # the first token sees only itself
+
+
+@pytest.mark.parametrize("method", ["rerope", "leaky_rerope", "yarn"])
+def test_chosen_query_rows_are_those_rows_of_the_whole_answer(method):
+    """``query_rows``: only those rows computed (in any order, chunked), each equal to its row
+    of the whole sequence's answer; the keys are still every earlier one."""
+    q, k, v = random_qkv(seq_len=50)
+    fields = {"rerope": dict(window=7), "leaky_rerope": dict(window=5, leaky_k=3.0), "yarn": dict(factor=4.0)}[method]
+    settings = ExtensionSettings(method=method, log_n=True, train_length=16, **fields)
+    whole = reference_attention(q, k, v, settings, base=BASE)
+    rows = torch.tensor([49, 0, 17, 48, 30])
+    chosen = reference_attention(q, k, v, settings, base=BASE, query_rows=rows, query_rows_per_chunk=2)
+    assert chosen.shape == (5, 6, 16)
+    assert torch.allclose(chosen, whole[rows], rtol=0, atol=1e-12)  # equal but for the sums' order
