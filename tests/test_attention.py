@@ -4,25 +4,22 @@ log-sum-exp merge (rope_plugins/attention.py, planner.py, ops/)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from paged_steps import paged_step
 
 from rope_plugins.attention import RopeExtendAttentionImpl
 from rope_plugins.ops import cpu, native
 from rope_plugins.ops.merge import merge_partials
 from rope_plugins.planner import StepPlanner
-from rope_plugins.reference import reference_attention
-from rope_plugins.checkpoint import CheckpointRotary
 from rope_plugins.settings import ExtensionSettings
-from rope_plugins.tracker import RowTables, row_values
 
 # Where a C++ compiler exists the kernel must build: a failed build fails these tests.
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
 
-BASE, TRAIN, D, KV, GROUP, BLOCK = 10000.0, 64, 32, 2, 3, 16
+TRAIN, D, KV, GROUP, BLOCK = 64, 32, 2, 3, 16
 ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="rerope", window=37, train_length=TRAIN), 150, 1),
     (ExtensionSettings(method="leaky_rerope", window=20, leaky_k=4.0, log_n=True, train_length=TRAIN), 90, 1),
@@ -51,61 +48,14 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
 PREFILL_TILE = 8
 
 
-@dataclass(frozen=True)
-class PagedStep:
-    """One step's inputs on a paged cache that already holds every row's earlier keys."""
-
-    rows: list  # (settings, context, new tokens)
-    cache: torch.Tensor  # [blocks, kv, block, 2d]
-    tables: RowTables
-    starts: torch.Tensor  # [R + 1]
-    seq_lens: torch.Tensor  # [R]
-    block_table: torch.Tensor  # [R, max blocks]
-    slots: torch.Tensor  # [T]
-    sequences: list  # per row (q, k, v) over all its positions
-    query: torch.Tensor  # [T, heads, d]: this step's tokens
-    key: torch.Tensor
-    value: torch.Tensor
-
-    def expected(self, base: float = BASE) -> torch.Tensor:
-        """The float64 oracle's output for this step's query tokens."""
-        return torch.cat([reference_attention(q, k, v, settings, base=base)[-new:]
-                          for (settings, _, new), (q, k, v) in zip(self.rows, self.sequences)])
-
-
-def paged_step(rows=ROWS, *, seed=0, head=D, kv=KV, group=GROUP, block=BLOCK, dtype=torch.float32) -> PagedStep:
-    """A paged cache (blocks shuffled, spare blocks left) holding each row's unrotated keys and
-    values up to its context, and this step's new tokens."""
-    generator = torch.Generator().manual_seed(seed)
-    randn = lambda *shape: torch.randn(*shape, generator=generator).to(dtype)  # noqa: E731
-    lengths = [context + new for _, context, new in rows]
-    blocks_per_row = [-(-n // block) for n in lengths]
-    cache = torch.zeros(sum(blocks_per_row) + 3, kv, block, 2 * head, dtype=dtype)
-    permutation = torch.randperm(cache.shape[0], generator=generator)
-    block_table = torch.zeros(len(rows), max(blocks_per_row), dtype=torch.int64)
-    sequences, start, slots = [], 0, []
-    for r, n in enumerate(lengths):
-        block_table[r, : blocks_per_row[r]] = permutation[start: start + blocks_per_row[r]]
-        start += blocks_per_row[r]
-        q, k, v = randn(n, kv * group, head), randn(n, kv, head), randn(n, kv, head)
-        position = torch.arange(n)
-        cache[block_table[r, position // block], :, position % block] = torch.cat((k, v), -1)
-        sequences.append((q, k, v))
-        new = rows[r][2]
-        slots.append(block_table[r, position[-new:] // block] * block + position[-new:] % block)
-    tables = RowTables(len(rows), head // 2)
-    for r, (settings, _, _) in enumerate(rows):
-        tables.write(r, row_values(settings, CheckpointRotary.plain(head, BASE, 4096)))
-    new_tokens = lambda part: torch.cat([seq[part][-new:] for seq, (_, _, new) in zip(sequences, rows)])  # noqa: E731
-    return PagedStep(rows=list(rows), cache=cache, tables=tables,
-                     starts=torch.tensor([0] + [new for _, _, new in rows]).cumsum(0), seq_lens=torch.tensor(lengths),
-                     block_table=block_table, slots=torch.cat(slots), sequences=sequences, query=new_tokens(0),
-                     key=new_tokens(1), value=new_tokens(2))
+def rows_step(seed=0):
+    """A step of ``ROWS`` on a paged cache (bench/paged_steps.py)."""
+    return paged_step(ROWS, seed=seed, head=D, kv=KV, group=GROUP, block=BLOCK)
 
 
 def make_step(seed=0):
-    """The CPU path's plan of :func:`paged_step`, and its inputs."""
-    step = paged_step(seed=seed)
+    """The CPU path's plan of :func:`rows_step`, and its inputs."""
+    step = rows_step(seed)
     planner = StepPlanner(block_size=BLOCK, dtype=torch.float32, prefill_tile=PREFILL_TILE)
     meta = planner.plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
     return step.cache, meta, step.sequences, step.query, step.key, step.value, step.starts
@@ -118,7 +68,7 @@ def test_step_matches_oracle(use_kernel):
     impl.use_kernel = use_kernel
     output = torch.empty_like(query)
     impl.forward(None, query, key, value, cache, meta, output)
-    torch.testing.assert_close(output, paged_step(seed=0).expected().float(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(output, rows_step(seed=0).expected().float(), rtol=0, atol=2e-5)
 
 
 @needs_compiler
