@@ -27,7 +27,7 @@ from .ops import cpu
 from .ops.native import decode_kernel
 from .planner import KernelPlan, StepPlan, StepPlanner, kernel_plan
 from .plugin import BACKEND_NAME
-from .tracker import RequestSettingsTracker
+from .tracker import RowTables, step_tables
 
 
 def runs_triton(vllm_config: VllmConfig, device: torch.device) -> bool:
@@ -46,24 +46,20 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan | KernelPlan])
         self.planner = StepPlanner(block_size=kv_cache_spec.block_size, dtype=vllm_config.model_config.dtype)
         self.triton = runs_triton(vllm_config, device)
 
-    def tracker(self) -> RequestSettingsTracker:
-        tracker = RequestSettingsTracker.for_config(self.vllm_config)
-        if tracker is None:
-            raise RuntimeError(
-                "rope_plugins: the request-settings tracker is not installed; build the engine "
-                "with rope_plugins.engine.engine_kwargs(...) (logits_processors=[RequestSettingsTracker])")
-        return tracker
+    def tables(self, common: CommonAttentionMetadata) -> RowTables:
+        """Each row's settings (row i: batch row i), from the V1 tracker or the V2 model state."""
+        return step_tables(self.vllm_config, common)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> StepPlan | KernelPlan:
         common = common_attn_metadata
         rows = common.num_reqs
         if self.triton:
-            return kernel_plan(self.tracker().tables, query_start_cpu=common.query_start_loc_cpu,
+            return kernel_plan(self.tables(common), query_start_cpu=common.query_start_loc_cpu,
                                query_start=common.query_start_loc, seq_lens=common.seq_lens[:rows],
                                max_seq_len=common.max_seq_len, block_table=common.block_table_tensor,
                                slot_mapping=common.slot_mapping[: common.num_actual_tokens])
-        return self.planner.plan(self.tracker().tables, common.query_start_loc_cpu[: rows + 1].to(torch.int64),
+        return self.planner.plan(self.tables(common), common.query_start_loc_cpu[: rows + 1].to(torch.int64),
                                  common.seq_lens[:rows].to("cpu", torch.int64), common.block_table_tensor,
                                  common.slot_mapping[: common.num_actual_tokens])
 
@@ -112,8 +108,11 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
         for row in plan.prefill:
             near_query, far_query = cpu.rotated_queries(query[row.tokens], plan.query, row.tokens)
             keys, values = cpu.sequence_keys(kv_cache, plan.block_table[row.row], row.seq_len)
-            output[row.tokens] = cpu.prefill(near_query, far_query, keys, values, row, scale=self.scale,
-                                             group=self.group)
+            if self.use_kernel and cpu.uses_prefill_kernel(query):
+                output[row.tokens] = cpu.prefill_kernel(near_query, far_query, keys, values, row, scale=self.scale)
+            else:
+                output[row.tokens] = cpu.prefill(near_query, far_query, keys, values, row, scale=self.scale,
+                                                 group=self.group)
         return output
 
 

@@ -2,9 +2,10 @@
 
 ``engine_kwargs`` is the one place that configures vLLM for the plugin: the architecture
 override, the engine's default settings (in the model config, passed down to every worker),
-the served maximum length and the request-settings tracker. It is pure; the CPU cores the
-workers use are vLLM environment variables, set by :func:`compute_on_every_core`, which each
-program calls once at its start (the server's ``main``, the benchmarks, the test fixtures).
+the served maximum length and the request-settings logits processor of the model runner vLLM
+will run. It is pure; the CPU cores the workers use are vLLM environment variables, set by
+:func:`compute_on_every_core`, which each program calls once at its start (the server's
+``main``, the benchmarks, the test fixtures).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from vllm import SamplingParams
 from .checkpoint import UnsupportedCheckpoint, checkpoint_rotary
 from .plugin import FAMILIES, extended_architecture
 from .settings import CONFIG_KEY, EXTRA_ARGS_KEY, ExtensionSettings, parse_settings
-from .tracker import RequestSettingsTracker
+from .tracker import RequestSettingsAdmission, RequestSettingsTracker
 
 
 def checkpoint_facts(model: str) -> tuple[str, int]:
@@ -70,6 +71,20 @@ def compute_on_every_core(workers: int = 1) -> None:
     _binding_set_here = binding
 
 
+def v2_model_runner() -> bool:
+    """Whether vLLM will run its V2 model runner, decided as ``VllmConfig.use_v2_model_runner``
+    does (``vllm/config/vllm.py``): ``VLLM_USE_V2_MODEL_RUNNER`` when set, else whether Triton
+    is usable. That property also falls back to V1 for features V2 lacks (some speculative
+    decoding methods, micro-batching, pipeline parallelism under an external launcher) and
+    forces V2 for HiSparse and watermarking; the plugin serves none of them. Should the two ever
+    disagree, vLLM refuses the other runner's logits processor at start-up, naming it."""
+    from vllm import envs
+    from vllm.triton_utils import HAS_TRITON
+
+    chosen = envs.VLLM_USE_V2_MODEL_RUNNER
+    return HAS_TRITON if chosen is None else chosen
+
+
 # where the engine's config says which attention ops to run (``additional_config``)
 OPS_KEY = "rope_extend_attention_ops"
 ATTENTION_OPS = ("cpu", "triton")
@@ -103,7 +118,11 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_mod
     })
     if attention_ops is not None:
         engine["additional_config"] = {**(engine.get("additional_config") or {}), OPS_KEY: attention_ops}
-    processors = [RequestSettingsTracker, *(engine.pop("logits_processors", None) or [])]
+    # V1: the tracker keeps the batch rows' settings and refuses bad ones at admission. V2 keeps
+    # them in the model's state (rope_plugins.model_state) and would reject a V1 processor:
+    # there a V2 one only refuses.
+    settings_processor = RequestSettingsAdmission if v2_model_runner() else RequestSettingsTracker
+    processors = [settings_processor, *(engine.pop("logits_processors", None) or [])]
     return dict(model=model, hf_overrides=overrides, max_model_len=served, logits_processors=processors, **engine)
 
 

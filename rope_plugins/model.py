@@ -79,8 +79,15 @@ def extended(stock: type[nn.Module]) -> type[nn.Module]:
         stock.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
         move_rotation_into_attention(self, vllm_config)
 
+    def get_model_state_cls() -> type:
+        """The V2 model runner's state for this model (the V1 runner never asks)."""
+        from .model_state import RopeExtendModelState
+
+        return RopeExtendModelState
+
     name = extended_architecture(stock.__name__)
-    return type(name, (stock,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
+    return type(name, (stock,), {"__init__": __init__, "get_model_state_cls": staticmethod(get_model_state_cls),
+                                 "__module__": __name__, "__qualname__": name})
 
 
 RopeExtendLlamaForCausalLM = extended(LlamaForCausalLM)

@@ -1,26 +1,46 @@
-"""The worker side of per-request settings: which rule each row of the persistent batch runs.
+"""The worker side of per-request settings: which rule each request runs, for the attention
+metadata builder.
 
-:class:`RequestSettingsTracker` (a V1 logits processor that changes no logits) sees every
-request join, leave and move inside the batch, and keeps row-indexed tensors (frequencies,
-window, leak, query-scale terms, from :data:`rope_plugins.methods.METHODS`) that the attention
-metadata builder slices each step: no per-step loop over requests.
+Each model runner keeps the settings of the requests it holds in row-indexed tensors
+(:class:`RowTables`: frequencies, window, leak, query-scale terms, from
+:data:`rope_plugins.methods.METHODS`), written once when a request joins, so a step needs no
+loop over requests. vLLM has two runners and each tells a different object about requests:
+
+- V1 (the CPU build's): :class:`RequestSettingsTracker`, a V1 logits processor that changes no
+  logits, sees requests join, leave and move inside the persistent batch; its row r is batch
+  row r.
+- V2 (the default where Triton works, i.e. GPUs): the model's state
+  (:mod:`rope_plugins.model_state`) sees each request join in its persistent slot
+  (:class:`RequestSlots`); a step's rows are gathered by ``req_idx``.
+
+:func:`step_tables` gives the builder the step's rows in batch order on either runner. Bad
+settings are refused at admission by ``validate_params``: the tracker's on V1,
+:class:`RequestSettingsAdmission`'s on V2.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
+import weakref
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 from .checkpoint import CheckpointRotary, checkpoint_rotary
 from .methods import inv_freq, method_of
 from .settings import (EXTRA_ARGS_KEY, ExtensionSettings, SettingsError, engine_defaults, parse_settings,
                        request_fields, validate_request_fields)
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +99,36 @@ class RowTables:
         for table in self._tables():
             table[[a, b]] = table[[b, a]]
 
+    def gather(self, rows: torch.Tensor) -> RowTables:
+        """A copy holding ``rows``, in that order."""
+        taken = copy.copy(self)
+        taken.theta, taken.window, taken.leak, taken.log_n_length, taken.query_factor = (
+            table[rows] for table in self._tables())
+        return taken
 
-class RequestSettingsTracker(LogitsProcessor):
-    """Keeps the batch rows' settings for the attention builder; leaves logits alone."""
 
-    # One tracker per engine in this process, found by the engine's config object. The
-    # builder and this processor are both constructed by the same model runner with the
-    # same VllmConfig, and vLLM offers no other channel between them.
-    _by_config: dict[int, "RequestSettingsTracker"] = {}
+def refuse_bad_settings(sampling_params: SamplingParams) -> None:
+    """Raises naming the field when a request's own settings are invalid; vLLM's front end turns
+    it into an HTTP 400 (and ``vllm.LLM`` raises it)."""
+    try:
+        validate_request_fields(request_fields(sampling_params))
+    except SettingsError as error:
+        raise VLLMValidationError(str(error), parameter=f"{EXTRA_ARGS_KEY}.{error.field}") from None
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+
+class RequestRows:
+    """The settings of every row, each on the engine defaults until a request is written there,
+    registered for the metadata builder under the engine's config.
+
+    The builder and the object that sees requests (the V1 tracker, or the V2 model state) are
+    built by the same model runner from the same ``VllmConfig`` object, and vLLM offers no
+    other channel between them: the builder is given only its layers and that config.
+    """
+
+    # weak: an engine's entry goes with it
+    _by_config: weakref.WeakValueDictionary[int, RequestRows] = weakref.WeakValueDictionary()
+
+    def __init__(self, vllm_config) -> None:
         hf_config = vllm_config.model_config.hf_config
         self.defaults = engine_defaults(hf_config)
         self.rotary = checkpoint_rotary(hf_config)
@@ -97,18 +137,15 @@ class RequestSettingsTracker(LogitsProcessor):
         self.settings: list[ExtensionSettings] = [self.defaults] * rows
         for row in range(rows):
             self.tables.write(row, self._values(self.defaults))
-        RequestSettingsTracker._by_config[id(vllm_config)] = self
+        RequestRows._by_config[id(vllm_config)] = self
 
     @classmethod
-    def for_config(cls, vllm_config) -> "RequestSettingsTracker | None":
+    def for_config(cls, vllm_config) -> RequestRows | None:
         return cls._by_config.get(id(vllm_config))
 
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        try:
-            validate_request_fields(request_fields(sampling_params))
-        except SettingsError as error:  # vLLM turns this into an HTTP 400 naming the field
-            raise VLLMValidationError(str(error), parameter=f"{EXTRA_ARGS_KEY}.{error.field}") from None
+    def step_tables(self, common: CommonAttentionMetadata) -> RowTables:
+        """This step's rows' tables, row i for batch row i."""
+        raise NotImplementedError
 
     def _values(self, settings: ExtensionSettings) -> RowValues:
         return cached_row_values(settings, self.rotary)
@@ -120,7 +157,7 @@ class RequestSettingsTracker(LogitsProcessor):
             logger.warning("request settings rejected in the worker (%s); using the engine defaults", error)
             return self.defaults
 
-    def _add(self, row: int, params: SamplingParams) -> None:
+    def add(self, row: int, params: SamplingParams) -> None:
         """The row's settings; any failure falls back to the engine defaults, since an
         exception here would kill the engine and every request in it."""
         settings = self.resolve(params)
@@ -133,11 +170,36 @@ class RequestSettingsTracker(LogitsProcessor):
         self.settings[row] = settings
         self.tables.write(row, values)
 
+
+def step_tables(vllm_config, common: CommonAttentionMetadata) -> RowTables:
+    """The settings of a step's rows for the metadata builder, row i for batch row i, on
+    whichever model runner the engine has."""
+    rows = RequestRows.for_config(vllm_config)
+    if rows is None:
+        raise RuntimeError(
+            "rope_plugins: no request settings for this engine; build it with "
+            "rope_plugins.engine.engine_kwargs(...), which installs them for the engine's model runner")
+    return rows.step_tables(common)
+
+
+class RequestSettingsTracker(RequestRows, LogitsProcessor):
+    """V1 runner: keeps the batch rows' settings for the attention builder; leaves logits alone."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        RequestRows.__init__(self, vllm_config)
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        refuse_bad_settings(sampling_params)
+
+    def step_tables(self, common: CommonAttentionMetadata) -> RowTables:
+        return self.tables  # rows 0..num_reqs-1 are the batch's
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
         for index, params, _, _ in batch_update.added:
-            self._add(index, params)
+            self.add(index, params)
         for source, target, direction in batch_update.moved:
             if direction == MoveDirectionality.SWAP:
                 self.tables.swap_rows(source, target)
@@ -151,3 +213,29 @@ class RequestSettingsTracker(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return True
+
+
+class RequestSlots(RequestRows):
+    """V2 runner: the settings of each persistent request slot (held by the model state)."""
+
+    def step_tables(self, common: CommonAttentionMetadata) -> RowTables:
+        if common.req_idx is None:
+            raise RuntimeError("rope_plugins: the V2 runner gave this step no req_idx (each row's request slot)")
+        return self.tables.gather(torch.from_numpy(common.req_idx))
+
+
+class RequestSettingsAdmission(V2LogitsProcessor):
+    """V2 runner: refuses bad settings at admission, the only per-request check V2 runs in the
+    front end. It takes no request (``add_request`` is False), so the sampler never calls it
+    for logits work; the settings themselves live in the model state (every pipeline rank's,
+    where this processor would exist on the last only)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        refuse_bad_settings(sampling_params)
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        return False
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        return logits

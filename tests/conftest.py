@@ -115,7 +115,8 @@ def engine_defaults():
 # them (the unit tests then run in seconds); `make test` runs everything.
 ENGINE_FIXTURES = frozenset({"full_engine", "chunked_engine", "reference_model", "tensor_parallel_engine", "server",
                              "llama3", "triton_engine"})
-SERVER_MODULES = frozenset({"test_server", "test_server_robustness", "test_plugin_engine", "test_tensor_parallel"})
+SERVER_MODULES = frozenset({"test_server", "test_server_robustness", "test_plugin_engine", "test_tensor_parallel",
+                            "test_v2_runner"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -131,12 +131,16 @@ def test_triton_kernels_in_the_engine_match_the_oracle_and_the_cpu_ops(triton_en
 
 @pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine", "triton_engine"])
 def test_prefix_cache_never_crosses_settings(request, engine_name, reference_model, engine_defaults):
+    seed = {"full_engine": 300, "chunked_engine": 400, "triton_engine": 600}[engine_name]
+    assert_prefix_cache_never_crosses_settings(request.getfixturevalue(engine_name), seed, reference_model,
+                                               engine_defaults)
+
+
+def assert_prefix_cache_never_crosses_settings(llm, seed: int, reference_model, engine_defaults) -> None:
     """Every run here reads the prefix cache (no prompt log-probabilities). A prompt cached
     under A is not reused under B, and B's answer is B's; B's own blocks are reused and change
     nothing; and the negative control: without the salt, B does reuse A's blocks and answers
-    differently, so a salt that failed would show."""
-    llm = request.getfixturevalue(engine_name)
-    seed = {"full_engine": 300, "chunked_engine": 400, "triton_engine": 600}[engine_name]
+    differently, so a salt that failed would show. ``seed`` picks prompts new to ``llm``."""
     setting_a, setting_b = {"method": "rerope", "window": 40}, {"method": "ntk_mixed", "factor": 4.0}
     ids = prompt(seed)
     [a_first] = run(llm, [(ids, setting_a)], engine_defaults, prompt_logprobs=False)
@@ -185,17 +189,25 @@ def test_none_equals_stock_vllm_llama(tiny_llama_dir, full_engine, engine_defaul
         assert_none_equals_stock(full_engine, stock, requests, engine_defaults, "llama")
 
 
-@pytest.mark.parametrize("fields,field", [({"method": "rerope3"}, "method"), ({"window": -4}, "window"),
-                                          ({"factor": 0.1}, "factor"), ({"bogus": 1}, "bogus")])
+BAD_SETTINGS = [({"method": "rerope3"}, "method"), ({"window": -4}, "window"), ({"factor": 0.1}, "factor"),
+                ({"bogus": 1}, "bogus")]
+
+
+@pytest.mark.parametrize("fields,field", BAD_SETTINGS)
 def test_bad_settings_are_refused_and_the_engine_goes_on(full_engine, engine_defaults, fields, field):
+    assert_bad_settings_refused(full_engine, engine_defaults, fields, field)
+
+
+def assert_bad_settings_refused(llm, engine_defaults, fields, field: str) -> None:
+    """A request with bad ``fields`` is refused at admission naming ``field``; the next is served."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
     params = SamplingParams(max_tokens=2, extra_args={"context_extension": fields})
     with pytest.raises(VLLMValidationError, match=f"context_extension.{field}") as caught:
-        full_engine.generate([{"prompt_token_ids": prompt(9, 20)}], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": prompt(9, 20)}], params, use_tqdm=False)
     assert caught.value.parameter == f"context_extension.{field}"
-    [ok] = run(full_engine, [(prompt(9, 20), None)], engine_defaults, max_tokens=2)
+    [ok] = run(llm, [(prompt(9, 20), None)], engine_defaults, max_tokens=2)
     assert len(ok.tokens) == 2
 
 
