@@ -17,6 +17,7 @@ Writes bench/results/speed.json and speed.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -68,6 +69,73 @@ class PeakMemory:
         self._thread.join()
 
 
+class SideBySide:
+    """Stock vLLM and the plugin's engine in one process, each request timed by its
+    configuration: ``"stock"``, or a method's name for the plugin (the request's settings,
+    salted for the prefix cache like any other's)."""
+
+    def __init__(self, stock, plugin) -> None:
+        from rope_plugins.settings import engine_defaults
+
+        self.stock, self.plugin = stock, plugin
+        self.defaults = engine_defaults(plugin.llm_engine.vllm_config.model_config.hf_config)
+        self.vocab = plugin.llm_engine.vllm_config.model_config.get_vocab_size()
+
+    @classmethod
+    def start(cls, model: str, **common) -> "SideBySide":
+        """Both engines on ``model`` with the same engine arguments; stock vLLM's
+        ``max_position_embeddings`` raised to ``max_model_len`` so that it accepts as long a
+        prompt, the plugin's default method ReRoPE."""
+        from vllm import LLM
+
+        from rope_plugins.engine import engine_kwargs
+
+        stock = LLM(model=model, hf_overrides={"max_position_embeddings": common["max_model_len"]}, **common)
+        return cls(stock, LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common)))
+
+    def prompt(self, rng: random.Random, length: int) -> list[int]:
+        """``length`` random token ids (none of the first hundred, where special tokens sit)."""
+        return [rng.randrange(100, min(self.vocab, 40000)) for _ in range(length)]
+
+    def run(self, config: str, ids: list[int], max_tokens: int) -> float:
+        """Seconds for one request of ``ids`` and ``max_tokens`` new tokens (greedy, past EOS)."""
+        from vllm import SamplingParams
+
+        from rope_plugins.engine import extension_request
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if config == "stock":
+            llm, prompt = self.stock, {"prompt_token_ids": ids}
+        else:
+            llm = self.plugin
+            prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, {"method": config}, self.defaults)
+        began = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        return time.perf_counter() - began
+
+    def warm_up(self, lengths: tuple[int, ...] = (64,)) -> None:
+        """A short request per engine and length (compilation, first-call work)."""
+        for length in lengths:
+            self.run("stock", [5] * length, 2), self.run("rerope", [5] * length, 2)
+
+    def prefill_and_tpot(self, config: str, ids: list[int], decode_tokens: int,
+                         around_prefill: contextlib.AbstractContextManager | None = None) -> tuple[float, float]:
+        """Prefill seconds of the fresh prompt ``ids`` (one step's worth of new tokens: 1), then
+        the seconds per output token on the now-cached prompt, from 1 and 1 + ``decode_tokens``
+        new tokens. ``around_prefill`` is entered around the prefill only (a memory watch)."""
+        with around_prefill or contextlib.nullcontext():
+            prefill = self.run(config, ids, 1)
+        one = self.run(config, ids, 1)
+        many = self.run(config, ids, 1 + decode_tokens)
+        return prefill, (many - one) / decode_tokens
+
+
+def rotated(configs: list[str], rep: int) -> list[str]:
+    """The configurations in the order of repetition ``rep``: the first moves on by one each time."""
+    shift = rep % len(configs)
+    return configs[shift:] + configs[:shift]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
@@ -97,10 +165,9 @@ def main() -> None:
     # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
     from tqdm import tqdm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
-    from rope_plugins.settings import engine_defaults
+    from rope_plugins.engine import compute_on_every_core, extension_request
     from server.provision import provision_default_model
 
     model = str(provision_default_model())
@@ -109,32 +176,20 @@ def main() -> None:
     common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
                   max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
     compute_on_every_core()  # the same cores for stock and plugin
-    stock = LLM(model=model, hf_overrides={"max_position_embeddings": max_len}, **common)
-    plugin = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common))
-    defaults = engine_defaults(plugin.llm_engine.vllm_config.model_config.hf_config)
-
-    def run(config: str, ids: list[int], max_tokens: int) -> float:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        if config == "stock":
-            llm, prompt = stock, {"prompt_token_ids": ids}
-        else:
-            llm = plugin
-            prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, {"method": config}, defaults)
-        began = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
-        return time.perf_counter() - began
+    engines = SideBySide.start(model, **common)
+    stock, plugin, defaults = engines.stock, engines.plugin, engines.defaults
 
     all_lengths = sorted(set(args.lengths + args.scaling_lengths))
     samples: dict[str, dict[int, dict[str, list[float]]]] = {c: {n: {"prefill": [], "tpot": []} for n in all_lengths}
                                                             for c in CONFIGS}
     peak: dict[str, dict[int, int]] = {c: {} for c in CONFIGS}
     rng = random.Random(0)
-    run("stock", [5] * 64, 2), run("rerope", [5] * 64, 2)  # warm both engines
+    engines.warm_up()
     # a batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM
     batch_length, batch_tokens = 2048, 64
     batch = {"plugin_mixed": [], "stock_plain": []}
     for rep in range(args.reps):
-        prompts = [[rng.randrange(100, 40000) for _ in range(batch_length)] for _ in BATCH_MIX]
+        prompts = [engines.prompt(rng, batch_length) for _ in BATCH_MIX]
         params = SamplingParams(max_tokens=batch_tokens, temperature=0.0, ignore_eos=True)
         built = [extension_request({"prompt_token_ids": p}, params, f, defaults) for p, f in zip(prompts, BATCH_MIX)]
         for name in (["plugin_mixed", "stock_plain"] if rep % 2 == 0 else ["stock_plain", "plugin_mixed"]):
@@ -185,15 +240,13 @@ def main() -> None:
              if n not in args.lengths]
     with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
         for rep, n, configs in jobs:
-            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
-            for config in order:
-                ids = [rng.randrange(100, 40000) for _ in range(n)]
-                with PeakMemory() as memory:
-                    samples[config][n]["prefill"].append(run(config, ids, 1))
+            for config in rotated(configs, rep):
+                memory = PeakMemory()
+                prefill, tpot = engines.prefill_and_tpot(config, engines.prompt(rng, n), args.decode_tokens,
+                                                         around_prefill=memory)
+                samples[config][n]["prefill"].append(prefill)
+                samples[config][n]["tpot"].append(tpot)
                 peak[config][n] = max(peak[config].get(n, 0), memory.peak)
-                one = run(config, ids, 1)
-                many = run(config, ids, 1 + args.decode_tokens)
-                samples[config][n]["tpot"].append((many - one) / args.decode_tokens)
                 bar.set_postfix(length=n, config=config)
                 bar.update()
                 write_report()
