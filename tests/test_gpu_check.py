@@ -120,6 +120,26 @@ def test_a_cache_write_that_writes_nothing_fails(monkeypatch):
     assert "not finite" in summary and "WRONG" in summary and "SOME CASES FAILED" in summary
 
 
+def test_a_kernel_that_raises_is_a_failed_case_and_the_check_goes_on(monkeypatch):
+    """As a bfloat16 dot would on a GPU without bfloat16: that case fails, saying why; the next runs."""
+    real_prefill = gpu.prefill
+
+    def prefill(query, *args, **kwargs):
+        if query.dtype == torch.float16:
+            raise RuntimeError("no float16 here")
+        return real_prefill(query, *args, **kwargs)
+
+    monkeypatch.setattr(gpu, "prefill", prefill)
+    kernels = gpu_check.check_kernels(ONE_SHAPE, ["float16", "float32"], gpu_check.TOLERANCE, CPU)
+    half, single = kernels["cases"]
+    assert not kernels["passed"] and not half["passed"] and half["error"] == "RuntimeError: no float16 here"
+    assert single["passed"] and "error" not in single
+    json.dumps(kernels, allow_nan=False)
+    summary = gpu_check.summary({"date": "d", "mode": "interpreter", "environment": gpu_check.versions(CPU),
+                                 "kernels": kernels})
+    assert "raised RuntimeError: no float16 here" in summary
+
+
 def test_without_cuda_or_interpret_it_says_why(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "report.json"
