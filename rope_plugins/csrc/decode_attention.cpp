@@ -187,7 +187,3 @@ torch::Tensor decode_attention(
       TORCH_CHECK(false, "decode_attention: unsupported head dim ", query.size(2));
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "single-pass decode attention on the pre-rotation paged cache");
-}

@@ -56,9 +56,46 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
     return cached[..., :head_dim], cached[..., head_dim:]
 
 
+KERNEL_KEY_TILE = 32  # the C++ prefill's key tile (csrc/prefill_attention.cpp)
+
+
+def uses_prefill_kernel(query: torch.Tensor) -> bool:
+    """The C++ prefill serves float32 with head sizes in whole key tiles, where it is built."""
+    return (query.dtype == torch.float32 and query.shape[-1] % KERNEL_KEY_TILE == 0
+            and native.decode_kernel() is not None)
+
+
+def key_tiles(keys: torch.Tensor, length: int) -> torch.Tensor:
+    """Keys ``[n, kv, d]`` as tiles ``[kv, length / 32, d, 32]`` (zero past ``n``): one tile's keys
+    of one dimension are one vector, one tile one block of memory."""
+    tile = KERNEL_KEY_TILE
+    padded = torch.nn.functional.pad(keys, (0, 0, 0, 0, 0, length - keys.shape[0]))
+    return padded.view(length // tile, tile, keys.shape[1], keys.shape[2]).permute(2, 0, 3, 1).contiguous()
+
+
+def prefill_kernel(near_query: torch.Tensor, far_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   row: PrefillRow, *, scale: float) -> torch.Tensor:
+    """:func:`prefill` in one pass of the C++ kernel: keys rotated once per chunk to their near
+    and far angles and laid out so that one tile of keys is one contiguous vector."""
+    tile = KERNEL_KEY_TILE
+    padded = -(-row.seq_len // tile) * tile
+    far_keys = rotate_by(keys, row.far_keys.cos, row.far_keys.sin) if row.far_keys is not None else keys
+    near_origin, near_keys = 0, far_keys.new_empty(0)
+    if row.window:
+        near_origin = row.band_start // tile * tile
+        band = rotate_by(keys[row.band_start:], row.band_keys.cos, row.band_keys.sin)
+        band = torch.nn.functional.pad(band, (0, 0, 0, 0, row.band_start - near_origin, 0))
+        near_keys = key_tiles(band, padded - near_origin)
+    return native.prefill_attention(
+        near_query=(near_query * scale).contiguous(), far_query=(far_query * scale).contiguous(),
+        near_keys_t=near_keys, far_keys_t=key_tiles(far_keys, padded),
+        values=values.permute(1, 0, 2).contiguous(), context=row.context, window=row.window, near_origin=near_origin)
+
+
 def prefill(near_query: torch.Tensor, far_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             row: PrefillRow, *, scale: float, group: int) -> torch.Tensor:
-    """One request's chunk of ``L`` queries at positions ``context .. seq_len-1``: ``[L, heads, d]``."""
+    """One request's chunk of ``L`` queries at positions ``context .. seq_len-1``: ``[L, heads, d]``,
+    from PyTorch's flash attention (the near band and the far part merged by log-sum-exp)."""
     if row.first_far >= row.chunk:  # every query inside the window: the band is all
         return near_band(near_query, keys, values, row, scale=scale, group=group)[0].transpose(0, 1)
     far_out, far_lse = far_part(far_query[row.first_far:], keys, values, row, scale=scale, group=group)

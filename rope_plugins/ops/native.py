@@ -20,14 +20,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "decode_attention.cpp"
+SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
+           for name in ("decode_attention.cpp", "prefill_attention.cpp", "bindings.cpp")]
 # Reassociation lets the compiler vectorise the dot products; inf/nan semantics are kept.
 # ROPE_EXTEND_MARCH: the target CPU (images built for other machines set e.g. x86-64-v3).
 MARCH_ENV = "ROPE_EXTEND_MARCH"
 MARCH = os.environ.get(MARCH_ENV, "native")
 # -fopenmp: ATen's parallel_for is an inline OpenMP region, so without it the kernel's
 # chunks run one after another on one core (tests/test_attention.py checks the build).
-CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+# -fno-math-errno lets `omp simd` loops call the vector exp (glibc's libmvec).
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+          "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]
 
 
@@ -49,7 +52,8 @@ def decode_kernel():
     from torch.utils.cpp_extension import load
 
     try:
-        return load(name=f"rope_plugins_decode_{MARCH.replace('-', '_')}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        return load(name=f"rope_plugins_kernels_{MARCH.replace('-', '_')}", sources=[str(s) for s in SOURCES],
+                    extra_cflags=CFLAGS,
                     extra_ldflags=LDFLAGS, verbose=False)
     except Exception as error:
         raise KernelBuildError(f"the C++ decode kernel failed to build with {compiler()}: {error}") from error
@@ -71,6 +75,21 @@ def decode_attention(*, query: torch.Tensor, query_scale: torch.Tensor, query_co
     """
     return decode_kernel().decode_attention(query, query_scale, query_cos, query_sin, kv_cache, block_ids, seq_lens,
                                             window, band_start, near_cos, near_sin, far_cos, far_sin, far_table, scale)
+
+
+def prefill_attention(*, near_query: torch.Tensor, far_query: torch.Tensor, near_keys_t: torch.Tensor,
+                      far_keys_t: torch.Tensor, values: torch.Tensor, context: int, window: int,
+                      near_origin: int) -> torch.Tensor:
+    """One-pass prefill of one request's chunk of ``L`` queries at ``context .. context + L - 1``, float32.
+
+    near_query / far_query ``[L, H, d]`` rotated to their near / far angle and scaled (softmax
+    scale included); near_keys_t ``[kv, tiles, d, 32]``: keys at ``n θ`` in tiles of 32 from
+    position ``near_origin`` (a multiple of 32 at or before the first key any near query sees);
+    far_keys_t ``[kv, tiles, d, 32]`` from position 0 at their far angle (raw under ReRoPE), both
+    zero past the sequence's end; values ``[kv, seq_len, d]``. Returns ``[L, H, d]``.
+    """
+    return decode_kernel().prefill_attention(near_query, far_query, near_keys_t, far_keys_t, values, context, window,
+                                             near_origin)
 
 
 if __name__ == "__main__":

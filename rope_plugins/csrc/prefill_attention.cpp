@@ -1,0 +1,202 @@
+// One-pass prefill attention for one request's chunk (float32), the CPU twin of the Triton
+// prefill in rope_plugins/ops/gpu.py.
+//
+// The query at position m scores the key at n <= m as
+//   m - n < window : near_query[m] . near_keys[n]   (both at their plain-RoPE angle)
+//   otherwise      : far_query[m]  . far_keys[n]    (far angles; ReRoPE's far keys are the raw ones)
+// Work items are (kv head, tile of queries); each walks the key tiles up to its causal edge.
+// A key tile wholly inside the window scores only near, one wholly beyond it only far, a
+// straddling tile both and picks per element: no second pass and no log-sum-exp merge.
+// Scores and P.V are register-tiled GEMMs (8 rows x 32 columns of accumulators); keys come in
+// tiles [kv, tile, d, 32], so one tile's 32 keys of one dimension are one contiguous vector
+// and a whole tile one contiguous 8 KB (d = 64).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 8;       // accumulator rows of the micro-kernel
+constexpr int64_t kColumns = 32;   // accumulator columns: keys per tile, value dims per step
+constexpr int64_t kQueryTile = 32; // queries per work item (times the group's heads)
+
+// exp(x) for x <= 0 (-inf included, giving 0), in a form compilers vectorise: x = n ln2 + r,
+// |r| <= ln2 / 2, exp(r) by Cephes' degree-5 polynomial (within 2 ulp), times 2^n from its bits.
+#pragma omp declare simd
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float exp_r = p * r * r + r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.0f ? 0.0f : exp_r * two_n;
+}
+
+// c[rows, 32] (+)= a[rows, depth] . b[depth, 32]; rows <= 8; a row-major (lda), b row-major (ldb)
+template <int64_t rows>
+inline void micro_gemm(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t ldb,
+                       float* __restrict c, int64_t ldc, int64_t depth, bool accumulate) {
+  float acc[rows][kColumns];
+  for (int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (int64_t j = 0; j < kColumns; ++j) acc[r][j] = accumulate ? c[r * ldc + j] : 0.f;
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const float* __restrict b_row = b + k * ldb;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float a_rk = a[r * lda + k];
+#pragma omp simd
+      for (int64_t j = 0; j < kColumns; ++j) acc[r][j] += a_rk * b_row[j];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (int64_t j = 0; j < kColumns; ++j) c[r * ldc + j] = acc[r][j];
+  }
+}
+
+// c[m, 32] (+)= a[m, depth] . b[depth, 32] for any m, in blocks of 8 rows
+inline void gemm_columns(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t m,
+                         int64_t depth, bool accumulate) {
+  int64_t r = 0;
+  for (; r + kRows <= m; r += kRows) micro_gemm<kRows>(a + r * lda, lda, b, ldb, c + r * ldc, ldc, depth, accumulate);
+  switch (m - r) {
+#define ROPE_TAIL(N) \
+  case N:            \
+    micro_gemm<N>(a + r * lda, lda, b, ldb, c + r * ldc, ldc, depth, accumulate); break;
+    ROPE_TAIL(1) ROPE_TAIL(2) ROPE_TAIL(3) ROPE_TAIL(4) ROPE_TAIL(5) ROPE_TAIL(6) ROPE_TAIL(7)
+#undef ROPE_TAIL
+    default: break;
+  }
+}
+
+}  // namespace
+
+// near_query / far_query [L, H, d]: the chunk's queries rotated (and scaled, softmax scale
+// included); near_keys_t [kv, tiles, d, 32]: key n in tile (n - near_origin) / 32 (near_origin
+// a multiple of 32 at or before the first key any near query sees); far_keys_t
+// [kv, tiles, d, 32] from key 0; values [kv, >= seq_len, d]. Returns [L, H, d].
+torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Tensor& far_query,
+                                const torch::Tensor& near_keys_t, const torch::Tensor& far_keys_t,
+                                const torch::Tensor& values, int64_t context, int64_t window, int64_t near_origin) {
+  TORCH_CHECK(near_query.scalar_type() == torch::kFloat32, "prefill_attention: float32 only");
+  TORCH_CHECK(near_query.is_contiguous() && far_query.is_contiguous() && far_keys_t.is_contiguous() &&
+                  values.is_contiguous() && (window == 0 || near_keys_t.is_contiguous()),
+              "prefill_attention: contiguous inputs");
+  const int64_t chunk = near_query.size(0), heads = near_query.size(1), d = near_query.size(2);
+  const int64_t kv_heads = values.size(0), group = heads / kv_heads;
+  TORCH_CHECK(d % kColumns == 0, "prefill_attention: head size must be a multiple of ", kColumns);
+  const int64_t seq_len = context + chunk;
+  const int64_t tile_size = d * kColumns, value_stride = values.size(1);
+  const int64_t far_tiles = far_keys_t.size(1), near_tiles = window ? near_keys_t.size(1) : 0;
+  auto output = torch::empty_like(near_query);
+
+  const float* near_q = near_query.data_ptr<float>();
+  const float* far_q = far_query.data_ptr<float>();
+  const float* near_k = window ? near_keys_t.data_ptr<float>() : nullptr;
+  const float* far_k = far_keys_t.data_ptr<float>();
+  const float* value = values.data_ptr<float>();
+  float* out = output.data_ptr<float>();
+
+  const int64_t tiles = (chunk + kQueryTile - 1) / kQueryTile;
+  const int64_t items = tiles * kv_heads;
+  const int64_t rows_max = kQueryTile * group;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> near_tile(rows_max * d), far_tile(rows_max * d), scores(rows_max * kColumns),
+        far_scores(rows_max * kColumns), acc(rows_max * d), running_max(rows_max), running_sum(rows_max);
+    // the longest tiles (last queries) first: dynamic scheduling then balances the cores
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t tile = tiles - 1 - item / kv_heads, h = item % kv_heads;
+      const int64_t first_query = tile * kQueryTile, queries = std::min(kQueryTile, chunk - first_query);
+      const int64_t rows = queries * group;  // row (t, g): query first_query + t, head h * group + g
+      for (int64_t t = 0; t < queries; ++t) {
+        const int64_t source = ((first_query + t) * heads + h * group) * d;
+        std::copy(near_q + source, near_q + source + group * d, near_tile.data() + t * group * d);
+        std::copy(far_q + source, far_q + source + group * d, far_tile.data() + t * group * d);
+      }
+      std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
+      std::fill(running_max.begin(), running_max.begin() + rows, kNegInf);
+      std::fill(running_sum.begin(), running_sum.begin() + rows, 0.f);
+
+      const int64_t first_position = context + first_query, last_position = first_position + queries - 1;
+      const float* far_k_head = far_k + h * far_tiles * tile_size;
+      const float* near_k_head = window ? near_k + h * near_tiles * tile_size : nullptr;
+      const float* value_head = value + h * value_stride * d;
+      for (int64_t first_key = 0; first_key <= last_position; first_key += kColumns) {
+        const int64_t keys = std::min(kColumns, last_position + 1 - first_key);
+        // distances m - n in this tile range over [first_position - last_key, last_position - first_key]
+        const bool any_near = window > 0 && first_position - (first_key + keys - 1) < window;
+        const bool any_far = last_position - first_key >= window;
+        // keys past the tile's end (keys < 32) are read from the padding columns and masked below
+        if (any_near)
+          gemm_columns(near_tile.data(), d, near_k_head + (first_key - near_origin) * d, kColumns, scores.data(),
+                       kColumns, rows, d, false);
+        if (any_far)
+          gemm_columns(far_tile.data(), d, far_k_head + first_key * d, kColumns,
+                       any_near ? far_scores.data() : scores.data(), kColumns, rows, d, false);
+        const bool straddles = any_near && any_far;
+        const bool masked = keys < kColumns || first_key + kColumns - 1 > first_position;  // the causal edge
+        for (int64_t t = 0; t < queries; ++t) {
+          const int64_t first_distance = first_position + t - first_key;  // m - n at j = 0
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = t * group + g;
+            float* __restrict row_scores = scores.data() + r * kColumns;
+            const float* __restrict row_far = far_scores.data() + r * kColumns;
+            if (straddles) {
+#pragma omp simd
+              for (int64_t j = 0; j < kColumns; ++j) row_scores[j] = first_distance - j >= window ? row_far[j] : row_scores[j];
+            }
+            if (masked) {
+#pragma omp simd
+              for (int64_t j = 0; j < kColumns; ++j)
+                row_scores[j] = (j < keys && first_distance - j >= 0) ? row_scores[j] : kNegInf;
+            }
+            float tile_max = running_max[r];
+#pragma omp simd reduction(max : tile_max)
+            for (int64_t j = 0; j < kColumns; ++j) tile_max = std::max(tile_max, row_scores[j]);
+            const float correction = exp_nonpositive(running_max[r] - tile_max);  // 0 on the first tile
+            float total = 0.f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t j = 0; j < kColumns; ++j) {
+              const float p = exp_nonpositive(row_scores[j] - tile_max);
+              row_scores[j] = p;
+              total += p;
+            }
+            running_sum[r] = running_sum[r] * correction + total;
+            running_max[r] = tile_max;
+            float* row_acc = acc.data() + r * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) row_acc[i] *= correction;
+          }
+        }
+        // acc[rows, d] += P[rows, keys] . V[keys, d], 32 value dims at a time
+        for (int64_t column = 0; column < d; column += kColumns)
+          gemm_columns(scores.data(), kColumns, value_head + first_key * d + column, d, acc.data() + column, d, rows,
+                       keys, true);
+      }
+      for (int64_t t = 0; t < queries; ++t)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = t * group + g;
+          const float inverse = 1.f / running_sum[r];
+          float* target = out + ((first_query + t) * heads + h * group + g) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) target[i] = acc[r * d + i] * inverse;
+        }
+    }
+  }
+  return output;
+}
