@@ -13,8 +13,9 @@ from test_plugin_engine import (BAD_SETTINGS, assert_bad_settings_refused, asser
                                 assert_prefix_cache_never_crosses_settings, prompt, run)
 from v2_harness import v2_engine as start_v2_engine
 
-# the attention ops the V2 engine runs (engine_kwargs(attention_ops=...))
-ATTENTION_OPS = ["cpu"]
+# the attention ops the V2 engine runs (engine_kwargs(attention_ops=...)): the CPU ops, and the
+# Triton kernels under the interpreter (V2 with them is the GPU configuration)
+ATTENTION_OPS = ["cpu", "triton"]
 MIXED = [{"method": "rerope", "window": 37}, {"method": "leaky_rerope", "window": 50, "leaky_k": 3.0, "log_n": True},
          {"method": "yarn", "factor": 4.0}, {"method": "ntk_mixed", "factor": 4.0}, {"method": "none"}]
 
