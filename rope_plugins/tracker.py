@@ -75,7 +75,7 @@ def cached_row_values(settings: ExtensionSettings, rotary: CheckpointRotary) -> 
 
 
 class RowTables:
-    """:class:`RowValues` of every batch row, as row-indexed tensors."""
+    """:class:`RowValues` of every row (batch row on V1, request slot on V2), as row-indexed tensors."""
 
     def __init__(self, rows: int, pairs: int):
         self.theta = torch.zeros(rows, pairs, dtype=torch.float64)
@@ -226,9 +226,9 @@ class RequestSlots(RequestRows):
 
 class RequestSettingsAdmission(V2LogitsProcessor):
     """V2 runner: refuses bad settings at admission, the only per-request check V2 runs in the
-    front end. It takes no request (``add_request`` is False), so the sampler never calls it
-    for logits work; the settings themselves live in the model state (every pipeline rank's,
-    where this processor would exist on the last only)."""
+    front end. It takes no request (``add_request`` is False: no logits work is asked for on its
+    account) and its ``apply`` changes nothing; the settings live in the model state (on every
+    pipeline rank; this processor exists on the last only)."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
