@@ -1,6 +1,8 @@
 """The attention's CPU ops on the pre-rotation paged cache.
 
-Prefill rows use PyTorch's fused CPU flash attention, unmasked: the near band (plain RoPE,
+Prefill rows of a float32 model take the C++ one-pass kernel (:func:`prefill_kernel`: keys
+rotated once per chunk and laid out in tiles, then near, far and straddling tiles in one
+walk). Otherwise, and as its reference in the tests, PyTorch's fused CPU flash attention, unmasked: the near band (plain RoPE,
 ``0 <= m - n < w``, see :func:`near_band`) and the far part (the far query against keys at
 their far angle, or raw under ReRoPE) as a causal call shifted by ``w`` plus a dense call for
 keys older than the chunk; the parts are merged by their log-sum-exp. Work is one attention

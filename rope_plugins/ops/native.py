@@ -1,9 +1,9 @@
-"""The C++ decode kernel (``csrc/decode_attention.cpp``): built on first use with PyTorch's
-extension builder and cached (``scripts/install.sh`` builds it once ahead of time), and a
-typed wrapper called by keyword.
+"""The C++ kernels (``csrc/``: decode, one-pass prefill, one module): built on first use with
+PyTorch's extension builder and cached (``scripts/install.sh`` builds them once ahead of
+time), and typed wrappers called by keyword.
 
-Without a C++ compiler the kernel is unavailable and decode takes the PyTorch path, which
-computes the same thing. With a compiler, a failed build is an error (:class:`KernelBuildError`):
+Without a C++ compiler the kernels are unavailable and attention takes the PyTorch path,
+which computes the same thing. With a compiler, a failed build is an error (:class:`KernelBuildError`):
 the install stops and the engine does not start, rather than serving on the slow path unnoticed.
 """
 
