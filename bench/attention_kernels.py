@@ -1,6 +1,10 @@
-"""The two CPU attention kernels on the same inputs: vLLM's paged kernel (what stock vLLM's
-prefill uses; no log-sum-exp) and PyTorch's fused flash attention (what the plugin's prefill
-uses, because merging partial attentions needs the log-sum-exp).
+"""The CPU attention kernels on the same inputs: vLLM's paged kernel (what stock vLLM's
+prefill uses; no log-sum-exp), PyTorch's fused flash attention (the plugin's fallback prefill,
+merged by log-sum-exp), and the plugin's one-pass C++ prefill (csrc/prefill_attention.cpp),
+with its input preparation (key tiles, value layout), twice: all keys far (the frequency
+methods' shape) and with a 1024-token window (ReRoPE's shape: near, far and straddling tiles).
+Queries and keys are left unrotated and the near and far parts get the same inputs, so every
+kernel computes the same causal attention and the outputs are compared.
 
     .venv/bin/python bench/attention_kernels.py
 
@@ -67,17 +71,45 @@ def torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return merge_partials(*zip(*parts))[0][0].transpose(0, 1)
 
 
+REROPE_WINDOW = 1024
+
+
+def plugin_attention(window: int):
+    """The plugin's one-pass prefill as rope_plugins.ops.cpu.prefill_kernel calls it, with
+    identity rotations (so its answer is plain causal attention)."""
+    from rope_plugins.ops import cpu, native
+
+    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
+        tile, seq = cpu.KERNEL_KEY_TILE, key.shape[0]
+        padded = -(-seq // tile) * tile
+        near_origin, near_keys = 0, key.new_empty(0)
+        if window:
+            band_start = max(0, context - window + 1)
+            near_origin = band_start // tile * tile
+            near_keys = cpu.key_tiles(key[near_origin:], padded - near_origin)
+        scaled = (query * SCALE).contiguous()
+        return native.prefill_attention(near_query=scaled, far_query=scaled, near_keys_t=near_keys,
+                                        far_keys_t=cpu.key_tiles(key, padded), values=value.permute(1, 0, 2).contiguous(),
+                                        context=context, window=window, near_origin=near_origin)
+
+    return run
+
+
+KERNELS = {"vllm": vllm_attention, "torch_flash": torch_attention, "plugin_far": plugin_attention(0),
+           f"plugin_window_{REROPE_WINDOW}": plugin_attention(REROPE_WINDOW)}
+
+
 def markdown(report: dict) -> str:
     """attention_kernels.json as bench/README.md shows it."""
     rows = report["rows"]
+    others = [name for name in rows[0]["seconds"] if name != "vllm"]
     lines = [f"Measured {report['date'][:10]} on {report['machine']} ({report['torch_threads']} threads, medians of "
-             f"{report['reps']}):", "", "| context | chunk | vLLM s | torch flash s | x vLLM | max abs difference |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['context']:,} | {r['chunk']:,} | {r['seconds']['vllm']:.3f} | {r['seconds']['torch_flash']:.3f} | "
-              f"{r['torch_flash_over_vllm']:.2f} | {r['max_abs_difference']:.1e} |" for r in rows]
-    ratios = [r["torch_flash_over_vllm"] for r in rows]
-    lines += ["", f"PyTorch's flash attention takes {min(ratios):.2f}x to {max(ratios):.2f}x the time of vLLM's kernel "
-                  "on these cases."]
+             f"{report['reps']}); each kernel's time as a multiple of vLLM's:", "",
+             "| context | chunk | vLLM s | " + " | ".join(others) + " | max abs difference |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in others) + " | --- |"]
+    lines += [f"| {r['context']:,} | {r['chunk']:,} | {r['seconds']['vllm']:.3f} | "
+              + " | ".join(f"{r['seconds'][name] / r['seconds']['vllm']:.2f}" for name in others)
+              + f" | {r['max_abs_difference']:.1e} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -87,7 +119,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attention_kernels.json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    kernels = {"vllm": vllm_attention, "torch_flash": torch_attention}
+    kernels = KERNELS
     rows = []
     for context, chunk in CASES:
         query = torch.randn(chunk, QUERY_HEADS, HEAD_DIM)
@@ -101,12 +133,12 @@ def main() -> int:
                 times[name].append(time.perf_counter() - began)
         medians = {name: statistics.median(t) for name, t in times.items()}
         row = {"context": context, "chunk": chunk, "seconds": medians, "samples": times,
-               "torch_flash_over_vllm": medians["torch_flash"] / medians["vllm"],
-               "max_abs_difference": float((outputs["vllm"] - outputs["torch_flash"]).abs().max())}
+               "over_vllm": {name: medians[name] / medians["vllm"] for name in kernels},
+               "max_abs_difference": max(float((outputs["vllm"] - out).abs().max()) for out in outputs.values())}
         rows.append(row)
-        print(f"context {context:6,} chunk {chunk:6,}: vLLM {medians['vllm']:.3f} s, torch flash "
-              f"{medians['torch_flash']:.3f} s (x{row['torch_flash_over_vllm']:.2f}), "
-              f"max |difference| {row['max_abs_difference']:.1e}", flush=True)
+        print(f"context {context:6,} chunk {chunk:6,}: vLLM {medians['vllm']:.3f} s; x vLLM: "
+              + ", ".join(f"{name} {ratio:.2f}" for name, ratio in row["over_vllm"].items() if name != "vllm")
+              + f"; max |difference| {row['max_abs_difference']:.1e}", flush=True)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isa = "avx512f" if " avx512f" in flags else "avx2" if " avx2" in flags else "other"
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
