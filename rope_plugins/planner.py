@@ -96,6 +96,14 @@ class FarKeys:
 
 
 @dataclass(frozen=True)
+class DecodeQueries:
+    """The decode rows' query terms, gathered once per step for every layer's kernel call."""
+
+    scale: torch.Tensor  # [Rd]
+    rotation: Rotation  # [Rd, 2, d/2]: the near angle, then the far angle
+
+
+@dataclass(frozen=True)
 class DecodePlan:
     """All decode rows (one query each), batched over rows and cache blocks."""
 
@@ -107,6 +115,7 @@ class DecodePlan:
     band_start: torch.Tensor  # [Rd] int64: first key position of the band
     far_keys: FarKeys | None
     band: DecodeBand | None
+    queries: DecodeQueries
 
 
 @dataclass(frozen=True)
@@ -232,11 +241,11 @@ class StepPlanner:
                         leak=tables.leak[:count])
         query_lens = rows.query_lens
         decode = (query_lens == 1).nonzero().flatten()
+        query = self.query_plan(rows, tables.log_n_length[:count], tables.query_factor[:count])
         return StepPlan(
-            num_actual_tokens=int(starts[-1]), slot_mapping=slot_mapping, block_table=block_table,
-            query=self.query_plan(rows, tables.log_n_length[:count], tables.query_factor[:count]),
+            num_actual_tokens=int(starts[-1]), slot_mapping=slot_mapping, block_table=block_table, query=query,
             prefill=[self.prefill_row(rows, row) for row in (query_lens > 1).nonzero().flatten().tolist()],
-            decode=self.decode_plan(rows, decode, block_table) if decode.numel() else None)
+            decode=self.decode_plan(rows, decode, block_table, query) if decode.numel() else None)
 
     def query_plan(self, rows: StepRows, log_n_length: torch.Tensor, query_factor: torch.Tensor) -> QueryPlan:
         tokens, query_lens = int(rows.starts[-1]), rows.query_lens
@@ -264,13 +273,19 @@ class StepPlanner:
             self.far_tables.pop(next(iter(self.far_tables)))
         return table[:length]
 
-    def decode_plan(self, rows: StepRows, decode: torch.Tensor, block_table: torch.Tensor) -> DecodePlan:
+    def decode_plan(self, rows: StepRows, decode: torch.Tensor, block_table: torch.Tensor,
+                    query: QueryPlan) -> DecodePlan:
         """Blocks to read, keys to keep, far-key tables and the near band of every decode row."""
         seq_lens, window = rows.seq_lens[decode], rows.window[decode]
         keys = -(-int(seq_lens.max()) // self.block_size) * self.block_size  # the rows' key columns
         band_width = min(int(window.max()), int(seq_lens.max()))
+        tokens = rows.starts[:-1][decode]
+        near, far = query.near[tokens], query.far[tokens]  # [Rd, 1, d/2]
+        queries = DecodeQueries(scale=query.scale[tokens], rotation=Rotation(
+            cos=torch.cat((near.cos, far.cos), dim=1), sin=torch.cat((near.sin, far.sin), dim=1)))
         return DecodePlan(
-            tokens=rows.starts[:-1][decode], block_ids=block_table[decode, : keys // self.block_size],
+            tokens=tokens, queries=queries,
+            block_ids=block_table[decode, : keys // self.block_size].to(torch.int64),
             keep=torch.arange(keys)[None, :] < seq_lens[:, None], seq_lens=seq_lens, window=window,
             band_start=(seq_lens - band_width).clamp(min=0),
             far_keys=self.decode_far_keys(rows.theta[decode], rows.leak[decode], keys),

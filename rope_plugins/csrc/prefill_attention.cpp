@@ -125,7 +125,7 @@ torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Te
       const int64_t rows = queries * group;  // row (t, g): query first_query + t, head h * group + g
       for (int64_t t = 0; t < queries; ++t) {
         const int64_t source = ((first_query + t) * heads + h * group) * d;
-        std::copy(near_q + source, near_q + source + group * d, near_tile.data() + t * group * d);
+        if (window > 0) std::copy(near_q + source, near_q + source + group * d, near_tile.data() + t * group * d);
         std::copy(far_q + source, far_q + source + group * d, far_tile.data() + t * group * d);
       }
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
@@ -178,9 +178,11 @@ torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Te
             }
             running_sum[r] = running_sum[r] * correction + total;
             running_max[r] = tile_max;
-            float* row_acc = acc.data() + r * d;
+            if (correction != 1.f) {  // the row's maximum moved: rescale what it has summed
+              float* row_acc = acc.data() + r * d;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) row_acc[i] *= correction;
+              for (int64_t i = 0; i < d; ++i) row_acc[i] *= correction;
+            }
           }
         }
         // acc[rows, d] += P[rows, keys] . V[keys, d], 32 value dims at a time

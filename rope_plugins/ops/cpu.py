@@ -201,14 +201,13 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
     if not (use_kernel and kv_cache.dtype == torch.float32 and native.decode_kernel() is not None):
         return decode_torch(query, kv_cache, plan, queries, scale=scale)
     rows, half = query.shape[0], query.shape[-1] // 2
-    near, far = queries.near[plan.tokens], queries.far[plan.tokens]  # [Rd, 1, d/2]
     empty = kv_cache.new_empty(0)
     band = plan.band.keys if plan.band is not None else Rotation(cos=empty, sin=empty)
     far_keys = plan.far_keys.rotation if plan.far_keys is not None else Rotation(cos=empty, sin=empty)
     by_row = lambda table: table.reshape(rows, -1, half) if table.numel() else empty  # noqa: E731
     return native.decode_attention(
-        query=query, query_scale=queries.scale[plan.tokens], query_cos=torch.cat((near.cos, far.cos), dim=1),
-        query_sin=torch.cat((near.sin, far.sin), dim=1), kv_cache=kv_cache, block_ids=plan.block_ids,
+        query=query, query_scale=plan.queries.scale, query_cos=plan.queries.rotation.cos,
+        query_sin=plan.queries.rotation.sin, kv_cache=kv_cache, block_ids=plan.block_ids,
         seq_lens=plan.seq_lens, window=plan.window, band_start=plan.band_start, near_cos=by_row(band.cos),
         near_sin=by_row(band.sin), far_cos=far_keys.cos, far_sin=far_keys.sin,
         far_table=plan.far_keys.table_of_row if plan.far_keys is not None else torch.full_like(plan.window, -1),
