@@ -22,7 +22,8 @@ namespace {
 
 constexpr int64_t kRows = 8;       // accumulator rows of the micro-kernel
 constexpr int64_t kColumns = 32;   // accumulator columns: keys per tile, value dims per step
-constexpr int64_t kQueryTile = 32; // queries per work item (times the group's heads)
+constexpr int64_t kQueryTile = 64; // queries per work item (times the group's heads)
+constexpr int64_t kKeyStep = 256;  // keys per online-softmax update (8 micro-kernel tiles)
 
 // exp(x) for x <= 0 (-inf included, giving 0), in a form compilers vectorise: x = n ln2 + r,
 // |r| <= ln2 / 2, exp(r) by Cephes' degree-5 polynomial (within 2 ulp), times 2^n from its bits.
@@ -115,8 +116,8 @@ torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Te
 
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> near_tile(rows_max * d), far_tile(rows_max * d), scores(rows_max * kColumns),
-        far_scores(rows_max * kColumns), acc(rows_max * d), running_max(rows_max), running_sum(rows_max);
+    std::vector<float> near_tile(rows_max * d), far_tile(rows_max * d), scores(rows_max * kKeyStep),
+        far_scores(rows_max * kKeyStep), acc(rows_max * d), running_max(rows_max), running_sum(rows_max);
     // the longest tiles (last queries) first: dynamic scheduling then balances the cores
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -136,42 +137,45 @@ torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Te
       const float* far_k_head = far_k + h * far_tiles * tile_size;
       const float* near_k_head = window ? near_k + h * near_tiles * tile_size : nullptr;
       const float* value_head = value + h * value_stride * d;
-      for (int64_t first_key = 0; first_key <= last_position; first_key += kColumns) {
-        const int64_t keys = std::min(kColumns, last_position + 1 - first_key);
+      for (int64_t first_key = 0; first_key <= last_position; first_key += kKeyStep) {
+        const int64_t keys = std::min(kKeyStep, last_position + 1 - first_key);
         // distances m - n in this tile range over [first_position - last_key, last_position - first_key]
         const bool any_near = window > 0 && first_position - (first_key + keys - 1) < window;
         const bool any_far = last_position - first_key >= window;
         // keys past the tile's end (keys < 32) are read from the padding columns and masked below
-        if (any_near)
-          gemm_columns(near_tile.data(), d, near_k_head + (first_key - near_origin) * d, kColumns, scores.data(),
-                       kColumns, rows, d, false);
-        if (any_far)
-          gemm_columns(far_tile.data(), d, far_k_head + first_key * d, kColumns,
-                       any_near ? far_scores.data() : scores.data(), kColumns, rows, d, false);
+        for (int64_t tile_key = 0; tile_key < keys; tile_key += kColumns) {  // one 32-key tile at a time
+          const int64_t key = first_key + tile_key;
+          if (any_near)
+            gemm_columns(near_tile.data(), d, near_k_head + (key - near_origin) * d, kColumns, scores.data() + tile_key,
+                         kKeyStep, rows, d, false);
+          if (any_far)
+            gemm_columns(far_tile.data(), d, far_k_head + key * d, kColumns,
+                         (any_near ? far_scores.data() : scores.data()) + tile_key, kKeyStep, rows, d, false);
+        }
         const bool straddles = any_near && any_far;
-        const bool masked = keys < kColumns || first_key + kColumns - 1 > first_position;  // the causal edge
+        const bool masked = keys < kKeyStep || first_key + kKeyStep - 1 > first_position;  // the causal edge
         for (int64_t t = 0; t < queries; ++t) {
           const int64_t first_distance = first_position + t - first_key;  // m - n at j = 0
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = t * group + g;
-            float* __restrict row_scores = scores.data() + r * kColumns;
-            const float* __restrict row_far = far_scores.data() + r * kColumns;
+            float* __restrict row_scores = scores.data() + r * kKeyStep;
+            const float* __restrict row_far = far_scores.data() + r * kKeyStep;
             if (straddles) {
 #pragma omp simd
-              for (int64_t j = 0; j < kColumns; ++j) row_scores[j] = first_distance - j >= window ? row_far[j] : row_scores[j];
+              for (int64_t j = 0; j < kKeyStep; ++j) row_scores[j] = first_distance - j >= window ? row_far[j] : row_scores[j];
             }
             if (masked) {
 #pragma omp simd
-              for (int64_t j = 0; j < kColumns; ++j)
+              for (int64_t j = 0; j < kKeyStep; ++j)
                 row_scores[j] = (j < keys && first_distance - j >= 0) ? row_scores[j] : kNegInf;
             }
             float tile_max = running_max[r];
 #pragma omp simd reduction(max : tile_max)
-            for (int64_t j = 0; j < kColumns; ++j) tile_max = std::max(tile_max, row_scores[j]);
+            for (int64_t j = 0; j < kKeyStep; ++j) tile_max = std::max(tile_max, row_scores[j]);
             const float correction = exp_nonpositive(running_max[r] - tile_max);  // 0 on the first tile
             float total = 0.f;
 #pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < kColumns; ++j) {
+            for (int64_t j = 0; j < kKeyStep; ++j) {
               const float p = exp_nonpositive(row_scores[j] - tile_max);
               row_scores[j] = p;
               total += p;
@@ -187,7 +191,7 @@ torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Te
         }
         // acc[rows, d] += P[rows, keys] . V[keys, d], 32 value dims at a time
         for (int64_t column = 0; column < d; column += kColumns)
-          gemm_columns(scores.data(), kColumns, value_head + first_key * d + column, d, acc.data() + column, d, rows,
+          gemm_columns(scores.data(), kKeyStep, value_head + first_key * d + column, d, acc.data() + column, d, rows,
                        keys, true);
       }
       for (int64_t t = 0; t < queries; ++t)
