@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .engine import OPS_KEY
 from .ops import cpu
-from .ops.native import decode_kernel
+from .ops.native import kernels as native_kernels
 from .planner import KernelPlan, StepPlan, StepPlanner, kernel_plan
 from .plugin import BACKEND_NAME
 from .tracker import RowTables, step_tables
@@ -80,7 +80,7 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.use_kernel = True  # the tests switch it off to compare against the PyTorch path
         if not torch.cuda.is_available():
-            decode_kernel()  # build or load it now, at model construction, not inside the first step
+            native_kernels()  # build or load them now, at model construction, not inside the first step
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: StepPlan | KernelPlan | None, output: torch.Tensor,

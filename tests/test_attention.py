@@ -74,7 +74,7 @@ def test_step_matches_oracle(use_kernel):
 @needs_compiler
 def test_the_kernel_is_built_to_run_its_chunks_in_parallel():
     """Without OpenMP at build time ATen's parallel_for runs every chunk on one core."""
-    assert b"GOMP_parallel" in Path(native.decode_kernel().__file__).read_bytes()
+    assert b"GOMP_parallel" in Path(native.kernels().__file__).read_bytes()
 
 
 @needs_compiler

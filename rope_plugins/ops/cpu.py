@@ -64,7 +64,7 @@ KERNEL_KEY_TILE = 32  # the C++ prefill's key tile (csrc/prefill_attention.cpp)
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
     """The C++ prefill serves float32 with head sizes in whole key tiles, where it is built."""
     return (query.dtype == torch.float32 and query.shape[-1] % KERNEL_KEY_TILE == 0
-            and native.decode_kernel() is not None)
+            and native.kernels() is not None)
 
 
 def key_tiles(keys: torch.Tensor, length: int) -> torch.Tensor:
@@ -198,7 +198,7 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
     """All decode rows at once from their unrotated queries ``[Rd, heads, d]``: the C++ kernel
     for a float32 cache (it reads the paged cache in place and rotates as it goes), else
     :func:`decode_torch`."""
-    if not (use_kernel and kv_cache.dtype == torch.float32 and native.decode_kernel() is not None):
+    if not (use_kernel and kv_cache.dtype == torch.float32 and native.kernels() is not None):
         return decode_torch(query, kv_cache, plan, queries, scale=scale)
     rows, half = query.shape[0], query.shape[-1] // 2
     empty = kv_cache.new_empty(0)

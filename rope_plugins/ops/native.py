@@ -44,10 +44,10 @@ def compiler() -> str | None:
 
 
 @functools.cache
-def decode_kernel():
-    """The compiled module; None only when there is no compiler."""
+def kernels():
+    """The compiled module of the C++ kernels (decode, prefill); None only when there is no compiler."""
     if compiler() is None:
-        logger.warning("rope_plugins: no C++ compiler (%s); decode takes the PyTorch path", os.environ.get("CXX", "c++"))
+        logger.warning("rope_plugins: no C++ compiler (%s); attention takes the PyTorch path", os.environ.get("CXX", "c++"))
         return None
     from torch.utils.cpp_extension import load
 
@@ -73,7 +73,7 @@ def decode_attention(*, query: torch.Tensor, query_scale: torch.Tensor, query_co
     far_cos / sin ``[U, nb * bs, d/2]`` and far_table ``[R]`` (-1: the row reads old keys raw).
     Returns ``[R, H, d]``.
     """
-    return decode_kernel().decode_attention(query, query_scale, query_cos, query_sin, kv_cache, block_ids, seq_lens,
+    return kernels().decode_attention(query, query_scale, query_cos, query_sin, kv_cache, block_ids, seq_lens,
                                             window, band_start, near_cos, near_sin, far_cos, far_sin, far_table, scale)
 
 
@@ -88,13 +88,13 @@ def prefill_attention(*, near_query: torch.Tensor, far_query: torch.Tensor, near
     far_keys_t ``[kv, tiles, d, 32]`` from position 0 at their far angle (raw under ReRoPE), both
     zero past the sequence's end; values ``[kv, seq_len, d]``. Returns ``[L, H, d]``.
     """
-    return decode_kernel().prefill_attention(near_query, far_query, near_keys_t, far_keys_t, values, context, window,
+    return kernels().prefill_attention(near_query, far_query, near_keys_t, far_keys_t, values, context, window,
                                              near_origin)
 
 
 if __name__ == "__main__":
     # scripts/install.sh: build it now; a failed build fails the install
     try:
-        print("decode kernel:", "ready" if decode_kernel() is not None else "unavailable (no C++ compiler)")
+        print("decode kernel:", "ready" if kernels() is not None else "unavailable (no C++ compiler)")
     except KernelBuildError as error:
         sys.exit(f"decode kernel: {error}")
