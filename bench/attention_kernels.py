@@ -95,8 +95,105 @@ def plugin_attention(window: int):
     return run
 
 
+def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """vLLM's kernel as stock vLLM's decode step calls it: one query per row, KV split on.
+    query ``[R, H, d]``, key / value ``[R, S, kv, d]`` (every row ``S`` keys). Returns a
+    function of no arguments that runs the kernel (the cache is written once, outside the timing)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    rows, seq = key.shape[:2]
+    isa = _get_attn_isa(query.dtype, BLOCK, HEAD_DIM)
+    per_row = -(-seq // BLOCK)
+    key_cache, value_cache = torch.empty(rows * per_row, KV_HEADS, 2 * BLOCK, HEAD_DIM).chunk(2, dim=2)
+    block_table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
+    slots = (block_table[:, :, None] * BLOCK + torch.arange(BLOCK, dtype=torch.int32)).flatten(1)[:, :seq]
+    ops.cpu_attn_reshape_and_cache(key.flatten(0, 1), value.flatten(0, 1), key_cache, value_cache,
+                                   slots.flatten().long(), isa)
+    starts = torch.arange(rows + 1, dtype=torch.int32)
+    lengths = torch.full((rows,), seq, dtype=torch.int32)
+    schedule = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=rows, num_heads=QUERY_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=lengths,
+        dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+    out = torch.empty_like(query)
+
+    def run() -> torch.Tensor:
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+            seq_lens=lengths, scale=SCALE, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=block_table, softcap=0.0, scheduler_metadata=schedule, s_aux=None)
+        return out
+
+    return run
+
+
+def plugin_decode(window: int, far_rule: bool):
+    """The plugin's C++ decode on its own cache layout ``[blocks, kv, bs, 2d]``, with identity
+    rotations (its answer is plain attention) but the work of a ``window``-token band and, with
+    ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods)."""
+    from rope_plugins.ops import cpu, native
+    from rope_plugins.planner import Rotation
+
+    def prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        rows, seq = key.shape[:2]
+        half, per_row = HEAD_DIM // 2, -(-seq // BLOCK)
+        cache = torch.zeros(rows * per_row, BLOCK, KV_HEADS, 2 * HEAD_DIM)
+        cache.view(rows, per_row * BLOCK, KV_HEADS, 2 * HEAD_DIM)[:, :seq] = torch.cat((key, value), dim=-1)
+        cache = cache.transpose(1, 2).contiguous()
+        ones = lambda *shape: torch.ones(*shape, half)  # noqa: E731
+        zeros = lambda *shape: torch.zeros(*shape, half)  # noqa: E731
+        step = cpu.DECODE_FAR_STEP
+        lengths = torch.full((rows,), seq, dtype=torch.int64)
+        far_steps = Rotation(cos=ones(1, -(-seq // step)), sin=zeros(1, -(-seq // step)))
+        far_offsets = Rotation(cos=ones(1, step), sin=zeros(1, step))
+        arguments = dict(
+            query=query, query_scale=torch.ones(rows), query_cos=ones(rows, 2), query_sin=zeros(rows, 2),
+            kv_cache=cache, block_ids=torch.arange(rows * per_row).view(rows, per_row), seq_lens=lengths,
+            window=torch.full((rows,), window, dtype=torch.int64), band_start=(lengths - window).clamp(min=0),
+            near_cos=ones(rows, window), near_sin=zeros(rows, window), far_steps=far_steps, far_offsets=far_offsets,
+            far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64), step=step, scale=SCALE)
+        return lambda: native.decode_attention(**arguments)
+
+    return prepare
+
+
 KERNELS = {"vllm": vllm_attention, "torch_flash": torch_attention, "plugin_far": plugin_attention(0),
            f"plugin_window_{REROPE_WINDOW}": plugin_attention(REROPE_WINDOW)}
+
+
+DECODE_KERNELS = {"vllm": vllm_decode, "plugin_rerope": plugin_decode(REROPE_WINDOW, False),
+                  "plugin_leaky": plugin_decode(REROPE_WINDOW, True), "plugin_far_rule": plugin_decode(0, True)}
+DECODE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 2048)]  # (rows, keys per row)
+DECODE_CALLS = 20  # calls per timing (one call is milliseconds)
+
+
+def time_decode(reps: int) -> list[dict]:
+    """Each decode kernel on the same rows, ``DECODE_CALLS`` calls per sample, interleaved."""
+    rows = []
+    for batch, seq in DECODE_CASES:
+        query = torch.randn(batch, QUERY_HEADS, HEAD_DIM)
+        key, value = torch.randn(2, batch, seq, KV_HEADS, HEAD_DIM)
+        runs = {name: prepare(query, key, value) for name, prepare in DECODE_KERNELS.items()}
+        times = {name: [] for name in runs}
+        outputs = {name: run() for name, run in runs.items()}  # first calls (allocation, caches) untimed
+        for _ in range(reps):
+            for name, run in runs.items():
+                began = time.perf_counter()
+                for _ in range(DECODE_CALLS):
+                    run()
+                times[name].append((time.perf_counter() - began) / DECODE_CALLS)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        cache_bytes = batch * seq * KV_HEADS * 2 * HEAD_DIM * 4
+        row = {"rows": batch, "keys": seq, "seconds": medians, "samples": times,
+               "over_vllm": {name: medians[name] / medians["vllm"] for name in runs},
+               "cache_gb_per_second": {name: cache_bytes / medians[name] / 1e9 for name in runs},
+               "max_abs_difference": max(float((outputs["vllm"] - out).abs().max()) for out in outputs.values())}
+        rows.append(row)
+        print(f"decode {batch} x {seq:6,} keys: vLLM {medians['vllm'] * 1e3:.2f} ms "
+              f"({row['cache_gb_per_second']['vllm']:.1f} GB/s of cache); x vLLM: "
+              + ", ".join(f"{name} {ratio:.2f}" for name, ratio in row["over_vllm"].items() if name != "vllm")
+              + f"; max |difference| {row['max_abs_difference']:.1e}", flush=True)
+    return rows
 
 
 def markdown(report: dict) -> str:
@@ -117,8 +214,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attention_kernels.json")
+    parser.add_argument("--decode-only", action="store_true", help="time the decode kernels only")
     args = parser.parse_args()
     torch.manual_seed(0)
+    decode_rows = time_decode(max(args.reps, 5))
+    if args.decode_only:
+        return 0
     kernels = KERNELS
     rows = []
     for context, chunk in CASES:
@@ -143,7 +244,7 @@ def main() -> int:
     isa = "avx512f" if " avx512f" in flags else "avx2" if " avx2" in flags else "other"
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {isa}", "torch_threads": torch.get_num_threads(),
-              "reps": args.reps, "rows": rows}
+              "reps": args.reps, "rows": rows, "decode": decode_rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -8,6 +8,7 @@ uses. Every tensor is built here, on the CPU, so the attention ops only index an
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +92,23 @@ class DecodeBand:
 class FarKeys:
     """Far-key rotations ``n ρ θ``: one table per distinct setting with ``ρ != 0``."""
 
-    rotation: Rotation  # [U, nb * bs, d/2]
+    tables: tuple[Rotation, ...]  # [nb * bs, d/2] each
     table_of_row: torch.Tensor  # [Rd] int64; -1 when ρ = 0 (old keys read raw)
+
+    @functools.cached_property
+    def rotation(self) -> Rotation:
+        """All tables stacked, ``[U, nb * bs, d/2]``."""
+        return Rotation(cos=torch.stack([t.cos for t in self.tables]), sin=torch.stack([t.sin for t in self.tables]))
+
+    def every(self, step: int) -> Rotation:
+        """The angles of positions ``0, step, 2 step, ...``: ``[U, ceil(nb * bs / step), d/2]``."""
+        return Rotation(cos=torch.stack([t.cos[::step] for t in self.tables]),
+                        sin=torch.stack([t.sin[::step] for t in self.tables]))
+
+    def first(self, step: int) -> Rotation:
+        """The angles of positions ``0 .. step - 1``: ``[U, step, d/2]``."""
+        return Rotation(cos=torch.stack([t.cos[:step] for t in self.tables]),
+                        sin=torch.stack([t.sin[:step] for t in self.tables]))
 
 
 @dataclass(frozen=True)
@@ -300,10 +316,7 @@ class StepPlanner:
                 table_of_setting[setting] = len(tables)
                 tables.append(self.far_key_table(theta[r], float(leak[r]), keys))
             table_of_row[r] = table_of_setting[setting]
-        if not tables:
-            return None
-        rotation = Rotation(cos=torch.stack([t.cos for t in tables]), sin=torch.stack([t.sin for t in tables]))
-        return FarKeys(rotation=rotation, table_of_row=table_of_row)
+        return FarKeys(tables=tuple(tables), table_of_row=table_of_row) if tables else None
 
     def decode_band(self, theta: torch.Tensor, seq_lens: torch.Tensor, window: torch.Tensor, band_width: int,
                     keys: int) -> DecodeBand:

@@ -5,8 +5,9 @@ torch::Tensor decode_attention(
     const torch::Tensor& query, const torch::Tensor& query_scale, const torch::Tensor& query_cos,
     const torch::Tensor& query_sin, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
     const torch::Tensor& seq_lens, const torch::Tensor& window, const torch::Tensor& band_start,
-    const torch::Tensor& near_cos, const torch::Tensor& near_sin, const torch::Tensor& far_cos,
-    const torch::Tensor& far_sin, const torch::Tensor& far_table, double scale);
+    const torch::Tensor& near_cos, const torch::Tensor& near_sin, const torch::Tensor& far_step_cos,
+    const torch::Tensor& far_step_sin, const torch::Tensor& far_offset_cos, const torch::Tensor& far_offset_sin,
+    const torch::Tensor& far_table, int64_t step, double scale);
 
 torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Tensor& far_query,
                                 const torch::Tensor& near_keys_t, const torch::Tensor& far_keys_t,

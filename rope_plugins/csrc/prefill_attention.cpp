@@ -18,30 +18,18 @@
 #include <limits>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
+
+using rope_kernels::exp_nonpositive;
+using rope_kernels::exponentiate;
+using rope_kernels::max_of;
 
 constexpr int64_t kRows = 8;       // accumulator rows of the micro-kernel
 constexpr int64_t kColumns = 32;   // accumulator columns: keys per tile, value dims per step
 constexpr int64_t kQueryTile = 64; // queries per work item (times the group's heads)
 constexpr int64_t kKeyStep = 256;  // keys per online-softmax update (8 micro-kernel tiles)
-
-// exp(x) for x <= 0 (-inf included, giving 0), in a form compilers vectorise: x = n ln2 + r,
-// |r| <= ln2 / 2, exp(r) by Cephes' degree-5 polynomial (within 2 ulp), times 2^n from its bits.
-#pragma omp declare simd
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float exp_r = p * r * r + r + 1.0f;
-  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : exp_r * two_n;
-}
 
 // c[rows, 32] (+)= a[rows, depth] . b[depth, 32]; rows <= 8; a row-major (lda), b row-major (ldb)
 template <int64_t rows>
@@ -169,17 +157,9 @@ torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Te
               for (int64_t j = 0; j < kKeyStep; ++j)
                 row_scores[j] = (j < keys && first_distance - j >= 0) ? row_scores[j] : kNegInf;
             }
-            float tile_max = running_max[r];
-#pragma omp simd reduction(max : tile_max)
-            for (int64_t j = 0; j < kKeyStep; ++j) tile_max = std::max(tile_max, row_scores[j]);
+            const float tile_max = max_of(row_scores, kKeyStep, running_max[r]);
             const float correction = exp_nonpositive(running_max[r] - tile_max);  // 0 on the first tile
-            float total = 0.f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < kKeyStep; ++j) {
-              const float p = exp_nonpositive(row_scores[j] - tile_max);
-              row_scores[j] = p;
-              total += p;
-            }
+            const float total = exponentiate(row_scores, kKeyStep, tile_max);
             running_sum[r] = running_sum[r] * correction + total;
             running_max[r] = tile_max;
             if (correction != 1.f) {  // the row's maximum moved: rescale what it has summed

@@ -59,6 +59,7 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
 
 
 KERNEL_KEY_TILE = 32  # the C++ prefill's key tile (csrc/prefill_attention.cpp)
+DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many keys (csrc/decode_attention.cpp)
 
 
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
@@ -202,15 +203,17 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
         return decode_torch(query, kv_cache, plan, queries, scale=scale)
     rows, half = query.shape[0], query.shape[-1] // 2
     empty = kv_cache.new_empty(0)
-    band = plan.band.keys if plan.band is not None else Rotation(cos=empty, sin=empty)
-    far_keys = plan.far_keys.rotation if plan.far_keys is not None else Rotation(cos=empty, sin=empty)
+    none = Rotation(cos=empty, sin=empty)
+    band = plan.band.keys if plan.band is not None else none
     by_row = lambda table: table.reshape(rows, -1, half) if table.numel() else empty  # noqa: E731
+    far = plan.far_keys
     return native.decode_attention(
         query=query, query_scale=plan.queries.scale, query_cos=plan.queries.rotation.cos,
         query_sin=plan.queries.rotation.sin, kv_cache=kv_cache, block_ids=plan.block_ids,
         seq_lens=plan.seq_lens, window=plan.window, band_start=plan.band_start, near_cos=by_row(band.cos),
-        near_sin=by_row(band.sin), far_cos=far_keys.cos, far_sin=far_keys.sin,
-        far_table=plan.far_keys.table_of_row if plan.far_keys is not None else torch.full_like(plan.window, -1),
+        near_sin=by_row(band.sin), far_steps=far.every(DECODE_FAR_STEP) if far is not None else none,
+        far_offsets=far.first(DECODE_FAR_STEP) if far is not None else none,
+        far_table=far.table_of_row if far is not None else torch.full_like(plan.window, -1), step=DECODE_FAR_STEP,
         scale=scale)
 
 

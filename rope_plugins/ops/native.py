@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..planner import Rotation
+
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
@@ -62,7 +64,7 @@ def kernels():
 def decode_attention(*, query: torch.Tensor, query_scale: torch.Tensor, query_cos: torch.Tensor,
                      query_sin: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_lens: torch.Tensor,
                      window: torch.Tensor, band_start: torch.Tensor, near_cos: torch.Tensor, near_sin: torch.Tensor,
-                     far_cos: torch.Tensor, far_sin: torch.Tensor, far_table: torch.Tensor,
+                     far_steps: Rotation, far_offsets: Rotation, far_table: torch.Tensor, step: int,
                      scale: float) -> torch.Tensor:
     """Single-pass decode of ``R`` rows over the paged cache, float32.
 
@@ -70,11 +72,13 @@ def decode_attention(*, query: torch.Tensor, query_scale: torch.Tensor, query_co
     (the near angle ``m θ`` and the far angle ``(w + (m - w) ρ) θ``); kv_cache
     ``[blocks, kv, bs, 2d]``; block_ids ``[R, nb]``; seq_lens, window, band_start ``[R]`` int64;
     near_cos / sin ``[R, W, d/2]`` for the band keys from ``band_start`` (empty without a band);
-    far_cos / sin ``[U, nb * bs, d/2]`` and far_table ``[R]`` (-1: the row reads old keys raw).
-    Returns ``[R, H, d]``.
+    the far keys' angles ``n ω`` (one rule per distinct setting) as ``far_steps`` ``[U, S / step, d/2]``
+    (``n = s * step``) and ``far_offsets`` ``[U, step, d/2]`` (``n = o``), with far_table ``[R]``
+    (-1: the row reads old keys raw); ``step`` divides the kernel's 512-key chunk. Returns ``[R, H, d]``.
     """
     return kernels().decode_attention(query, query_scale, query_cos, query_sin, kv_cache, block_ids, seq_lens,
-                                            window, band_start, near_cos, near_sin, far_cos, far_sin, far_table, scale)
+                                      window, band_start, near_cos, near_sin, far_steps.cos, far_steps.sin,
+                                      far_offsets.cos, far_offsets.sin, far_table, step, scale)
 
 
 def prefill_attention(*, near_query: torch.Tensor, far_query: torch.Tensor, near_keys_t: torch.Tensor,

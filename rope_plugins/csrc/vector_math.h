@@ -1,0 +1,48 @@
+// Small vectorisable math shared by the C++ kernels.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace rope_kernels {
+
+// exp(x) for x <= 0 (-inf included, giving 0), in a form compilers vectorise: x = n ln2 + r,
+// |r| <= ln2 / 2, exp(r) by Cephes' degree-5 polynomial (within 2 ulp), times 2^n from its bits.
+#pragma omp declare simd
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float exp_r = p * r * r + r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.0f ? 0.0f : exp_r * two_n;
+}
+
+// The largest of scores[0 .. count) and `floor`.
+inline float max_of(const float* __restrict scores, int64_t count, float floor) {
+  float maximum = floor;
+#pragma omp simd reduction(max : maximum)
+  for (int64_t j = 0; j < count; ++j) maximum = std::max(maximum, scores[j]);
+  return maximum;
+}
+
+// scores[j] = exp(scores[j] - maximum) for j < count (maximum at least every score); returns their sum.
+inline float exponentiate(float* __restrict scores, int64_t count, float maximum) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < count; ++j) {
+    const float p = exp_nonpositive(scores[j] - maximum);
+    scores[j] = p;
+    total += p;
+  }
+  return total;
+}
+
+}  // namespace rope_kernels
