@@ -131,8 +131,8 @@ def plugin_decode(window: int, far_rule: bool):
     """The plugin's C++ decode on its own cache layout ``[blocks, kv, bs, 2d]``, with identity
     rotations (its answer is plain attention) but the work of a ``window``-token band and, with
     ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods)."""
-    from rope_plugins.ops import cpu, native
-    from rope_plugins.planner import Rotation
+    from rope_plugins.ops import native
+    from rope_plugins.planner import DECODE_FAR_STEP, Rotation
 
     def prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         rows, seq = key.shape[:2]
@@ -142,7 +142,7 @@ def plugin_decode(window: int, far_rule: bool):
         cache = cache.transpose(1, 2).contiguous()
         ones = lambda *shape: torch.ones(*shape, half)  # noqa: E731
         zeros = lambda *shape: torch.zeros(*shape, half)  # noqa: E731
-        step = cpu.DECODE_FAR_STEP
+        step = DECODE_FAR_STEP
         lengths = torch.full((rows,), seq, dtype=torch.int64)
         far_steps = Rotation(cos=ones(1, -(-seq // step)), sin=zeros(1, -(-seq // step)))
         far_offsets = Rotation(cos=ones(1, step), sin=zeros(1, step))

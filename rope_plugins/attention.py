@@ -101,7 +101,7 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
             gpu.decode(query, kv_cache, plan, output, scale=self.scale)
             return output
         if self.kv_sharing_target_layer_name is None:
-            cpu.write_cache(key, value, kv_cache, plan.slot_mapping)
+            cpu.write_cache(key, value, kv_cache, plan.slot_mapping, use_kernel=self.use_kernel)
         if plan.decode is not None:
             output[plan.decode.tokens] = cpu.decode(query[plan.decode.tokens], kv_cache, plan.decode, plan.query,
                                                     scale=self.scale, use_kernel=self.use_kernel)

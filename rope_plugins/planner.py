@@ -19,6 +19,8 @@ from .tracker import RowTables
 PREFILL_TILE = 256  # queries per near-band tile in prefill (at most the window)
 FAR_TABLES_KEPT = 16  # far-key rotation tables kept between steps (one per distinct (θ, ρ))
 
+DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many keys (csrc/decode_attention.cpp)
+
 # the Triton kernels' tiling (rope_plugins/ops/gpu.py)
 QUERY_TILE = 32  # queries per prefill program
 KEY_TILE = 32  # keys per inner step, prefill and decode
@@ -120,10 +122,20 @@ class DecodeQueries:
 
 
 @dataclass(frozen=True)
+class DecodeKernelTables:
+    """The C++ decode's rotation tables, made once per step for every layer's call."""
+
+    near: Rotation  # [Rd, W, d/2] the band keys' n θ (empty without a band)
+    far_steps: Rotation  # [U, S / step, d/2] far angles of positions 0, step, 2 step, ... (empty: no far rule)
+    far_offsets: Rotation  # [U, step, d/2] far angles of positions 0 .. step - 1
+    far_table: torch.Tensor  # [Rd] int64: the row's far rule, -1 = old keys read raw
+
+
+@dataclass(frozen=True)
 class DecodePlan:
     """All decode rows (one query each), batched over rows and cache blocks."""
 
-    tokens: torch.Tensor  # [Rd] token index of each row's query
+    tokens: torch.Tensor | slice  # [Rd] token index of each row's query (a slice when they are consecutive)
     block_ids: torch.Tensor  # [Rd, nb]
     keep: torch.Tensor  # [Rd, nb * bs] keys each row attends to
     seq_lens: torch.Tensor  # [Rd] int64
@@ -132,6 +144,22 @@ class DecodePlan:
     far_keys: FarKeys | None
     band: DecodeBand | None
     queries: DecodeQueries
+
+    @functools.cached_property
+    def kernel_tables(self) -> DecodeKernelTables:
+        rows, half = self.queries.scale.shape[0], self.queries.rotation.cos.shape[-1]
+        empty = self.queries.rotation.cos.new_empty(0)
+        none = Rotation(cos=empty, sin=empty)
+        if self.band is not None:
+            near = Rotation(cos=self.band.keys.cos.reshape(rows, -1, half), sin=self.band.keys.sin.reshape(rows, -1, half))
+        else:
+            near = none
+        far = self.far_keys
+        if far is None:
+            return DecodeKernelTables(near=near, far_steps=none, far_offsets=none,
+                                      far_table=torch.full((rows,), -1, dtype=torch.int64))
+        return DecodeKernelTables(near=near, far_steps=far.every(DECODE_FAR_STEP),
+                                  far_offsets=far.first(DECODE_FAR_STEP), far_table=far.table_of_row)
 
 
 @dataclass(frozen=True)
@@ -296,6 +324,8 @@ class StepPlanner:
         keys = -(-int(seq_lens.max()) // self.block_size) * self.block_size  # the rows' key columns
         band_width = min(int(window.max()), int(seq_lens.max()))
         tokens = rows.starts[:-1][decode]
+        if torch.equal(tokens, torch.arange(int(tokens[0]), int(tokens[0]) + tokens.numel())):
+            tokens = slice(int(tokens[0]), int(tokens[0]) + tokens.numel())  # views instead of gathers
         near, far = query.near[tokens], query.far[tokens]  # [Rd, 1, d/2]
         queries = DecodeQueries(scale=query.scale[tokens], rotation=Rotation(
             cos=torch.cat((near.cos, far.cos), dim=1), sin=torch.cat((near.sin, far.sin), dim=1)))

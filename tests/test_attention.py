@@ -97,3 +97,31 @@ def test_merge_of_parts_equals_one_softmax_and_survives_a_query_with_no_keys():
     torch.testing.assert_close(merged[:2], scores[:2].softmax(-1) @ values)
     torch.testing.assert_close(lse, scores.logsumexp(-1))
     assert torch.equal(merged[2], torch.zeros(4)) and lse[2] == float("-inf")
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads_outer", [True, False], ids=["kv-heads-outer", "tokens-outer"])
+def test_kernel_cache_write_equals_pytorch_and_skips_padding(heads_outer):
+    """The C++ write puts each token's key and value where the PyTorch one does, on either
+    cache layout vLLM may hand over, and leaves the slots of padding tokens (-1) alone."""
+    generator = torch.Generator().manual_seed(7)
+    blocks, block_size, tokens = 6, BLOCK, 40
+    key, value = torch.randn(2, tokens, KV, D, generator=generator)
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    shape = (blocks, KV, block_size, 2 * D) if heads_outer else (blocks, block_size, KV, 2 * D)
+    caches = []
+    for use_kernel in (True, False):
+        storage = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        cache = storage if heads_outer else storage.transpose(1, 2)
+        cpu.write_cache(key, value, cache, slots, use_kernel=use_kernel)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+    before = caches[0].clone()
+    padded = slots.clone()
+    padded[::2] = -1
+    cpu.write_cache(key * 2, value * 2, caches[0], padded)
+    written = torch.zeros(blocks * block_size, dtype=torch.bool)
+    written[slots[1::2]] = True
+    written = written.view(blocks, 1, block_size, 1).expand_as(before)
+    assert torch.equal(caches[0][~written], before[~written])
+    assert not torch.equal(caches[0][written], before[written])

@@ -13,7 +13,11 @@ torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Te
                                 const torch::Tensor& near_keys_t, const torch::Tensor& far_keys_t,
                                 const torch::Tensor& values, int64_t context, int64_t window, int64_t near_origin);
 
+void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                 const torch::Tensor& slots);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "single-pass decode attention on the pre-rotation paged cache");
+  m.def("write_cache", &write_cache, "the step's unrotated keys and values into their cache slots");
   m.def("prefill_attention", &prefill_attention, "one-pass prefill attention of one chunk, near and far keys");
 }

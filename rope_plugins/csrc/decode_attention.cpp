@@ -130,6 +130,7 @@ torch::Tensor decode_attention_dim(
   at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(d), scores(group * kChunk), near_q(group * d), far_q(group * d), far_q_step(group * d),
         scaled(d);
+    std::vector<const float*> row_of(kChunk);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item % kv_heads, chunk = (item / kv_heads) % chunks, r = item / (chunks * kv_heads);
       const int64_t length = lens_p[r], first = chunk * kChunk, last = std::min(first + kChunk, length);
@@ -150,43 +151,49 @@ torch::Tensor decode_attention_dim(
         rotate<half>(scaled.data(), qcos_p + r * 2 * half, qsin_p + r * 2 * half, near_q.data() + g * d);
         rotate<half>(scaled.data(), qcos_p + (r * 2 + 1) * half, qsin_p + (r * 2 + 1) * half, far_q.data() + g * d);
       }
-      const float* far_scored_q = far_q.data();  // the far query as the current step sees it
-
-      for (int64_t n = first; n < last; ++n) {
-        const float* key = cache + table_p[r * table_stride + n / block_size] * cache_s0 + h * cache_s1 +
-                           (n % block_size) * cache_s2;
-        if (n + kPrefetch < last) {  // keys and values interleave (other heads' rows too, by layout): on
-                                     // that stride the hardware prefetcher alone leaves the loop waiting
-          const char* ahead = reinterpret_cast<const char*>(
-              cache + table_p[r * table_stride + (n + kPrefetch) / block_size] * cache_s0 + h * cache_s1 +
-              ((n + kPrefetch) % block_size) * cache_s2);
+      // the rows of this chunk's keys, block by block (one division per block, not per key)
+      const int64_t keys = last - first;
+      for (int64_t n = first; n < last;) {
+        const int64_t block = n / block_size, slot = n % block_size, run = std::min(block_size - slot, last - n);
+        const float* row = cache + table_p[r * table_stride + block] * cache_s0 + h * cache_s1 + slot * cache_s2;
+        for (int64_t i = 0; i < run; ++i, ++n, row += cache_s2) row_of[n - first] = row;
+      }
+      // keys and values interleave (other heads' rows too, by layout): on that stride the
+      // hardware prefetcher alone leaves the loop waiting, so each row is asked for ahead
+      auto prefetch = [&](int64_t j) {
+        if (j + kPrefetch < keys) {
+          const char* ahead = reinterpret_cast<const char*>(row_of[j + kPrefetch]);
           for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(float)); byte += kCacheLine)
             __builtin_prefetch(ahead + byte, 0, 3);
         }
-        const float* scored = key;
-        const float* q = far_scored_q;
-        if (m - n < row_window) {
-          const int64_t j = n - start_p[r];
-          rotate<half>(key, ncos_p + (r * band_width + j) * half, nsin_p + (r * band_width + j) * half, rotated.data());
-          scored = rotated.data();
-          q = near_q.data();
-        } else if (rule >= 0) {
-          const int64_t offset = n % step;
-          if (offset == 0 || n == first) {  // a new step: turn the far query back by its angle
+      };
+      const int64_t near_from = std::clamp(m - row_window + 1 - first, int64_t(0), keys);  // m - n < window
+      float* score_of = scores.data();
+      if (rule < 0) {  // old keys read raw
+        for (int64_t j = 0; j < near_from; ++j) {
+          prefetch(j);
+          for (int64_t g = 0; g < group; ++g) score_of[g * kChunk + j] = dot<d>(far_q.data() + g * d, row_of[j]);
+        }
+      } else {
+        for (int64_t j = 0; j < near_from; ++j) {
+          prefetch(j);
+          const int64_t n = first + j, offset = n % step;
+          if (offset == 0 || j == 0) {  // a new step: turn the far query back by its angle
             const float* cos = step_cos_p + (rule * far_steps + n / step) * half;
             const float* sin = step_sin_p + (rule * far_steps + n / step) * half;
-            for (int64_t g = 0; g < group; ++g)
-              rotate<half>(far_q.data() + g * d, cos, sin, far_q_step.data() + g * d, -1.f);
-            far_scored_q = far_q_step.data();
-            q = far_scored_q;
+            for (int64_t g = 0; g < group; ++g) rotate<half>(far_q.data() + g * d, cos, sin, far_q_step.data() + g * d, -1.f);
           }
-          rotate<half>(key, offset_cos_p + (rule * far_offsets + offset) * half,
+          rotate<half>(row_of[j], offset_cos_p + (rule * far_offsets + offset) * half,
                        offset_sin_p + (rule * far_offsets + offset) * half, rotated.data());
-          scored = rotated.data();
+          for (int64_t g = 0; g < group; ++g) score_of[g * kChunk + j] = dot<d>(far_q_step.data() + g * d, rotated.data());
         }
-        for (int64_t g = 0; g < group; ++g) scores[g * kChunk + n - first] = dot<d>(q + g * d, scored);
       }
-      const int64_t keys = last - first;
+      for (int64_t j = near_from; j < keys; ++j) {
+        prefetch(j);
+        const int64_t b = first + j - start_p[r];
+        rotate<half>(row_of[j], ncos_p + (r * band_width + b) * half, nsin_p + (r * band_width + b) * half, rotated.data());
+        for (int64_t g = 0; g < group; ++g) score_of[g * kChunk + j] = dot<d>(near_q.data() + g * d, rotated.data());
+      }
       for (int64_t g = 0; g < group; ++g) {
         float* __restrict row_scores = scores.data() + g * kChunk;
         const float maximum = max_of(row_scores, keys, kNegInf);
@@ -195,11 +202,10 @@ torch::Tensor decode_attention_dim(
         chunk_sum[g] = total;
       }
       std::fill(chunk_out, chunk_out + group * d, 0.f);
-      for (int64_t n = first; n < last; ++n) {
-        const float* __restrict value = cache + table_p[r * table_stride + n / block_size] * cache_s0 +
-                                        h * cache_s1 + (n % block_size) * cache_s2 + d;
+      for (int64_t j = 0; j < keys; ++j) {
+        const float* __restrict value = row_of[j] + d;
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * kChunk + n - first];
+          const float p = scores[g * kChunk + j];
           float* __restrict target = chunk_out + g * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) target[i] += p * value[i];

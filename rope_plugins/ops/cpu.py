@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..planner import DecodePlan, PrefillRow, QueryPlan, Rotation
+from ..planner import DECODE_FAR_STEP, DecodePlan, PrefillRow, QueryPlan
 from ..rotary import rotate_by
 from . import native
 from .merge import merge_partials
@@ -43,8 +43,13 @@ def rotated_queries(query: torch.Tensor, plan: QueryPlan, tokens) -> tuple[torch
     return rotate_by(scaled, near.cos, near.sin), rotate_by(scaled, far.cos, far.sin)
 
 
-def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Unrotated keys and values into their slots: kv_cache ``[blocks, kv_heads, block, 2d]``."""
+def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                use_kernel: bool = True) -> None:
+    """Unrotated keys and values into their slots: kv_cache ``[blocks, kv_heads, block, 2d]``
+    (one C++ call where it is built)."""
+    if use_kernel and native.kernels() is not None:
+        native.write_cache(key=key, value=value, kv_cache=kv_cache, slots=slot_mapping)
+        return
     block_size = kv_cache.shape[2]
     slots = slot_mapping.long()
     kv_cache[slots // block_size, :, slots % block_size] = torch.cat((key, value), dim=-1)
@@ -59,7 +64,6 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
 
 
 KERNEL_KEY_TILE = 32  # the C++ prefill's key tile (csrc/prefill_attention.cpp)
-DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many keys (csrc/decode_attention.cpp)
 
 
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
@@ -201,20 +205,13 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
     :func:`decode_torch`."""
     if not (use_kernel and kv_cache.dtype == torch.float32 and native.kernels() is not None):
         return decode_torch(query, kv_cache, plan, queries, scale=scale)
-    rows, half = query.shape[0], query.shape[-1] // 2
-    empty = kv_cache.new_empty(0)
-    none = Rotation(cos=empty, sin=empty)
-    band = plan.band.keys if plan.band is not None else none
-    by_row = lambda table: table.reshape(rows, -1, half) if table.numel() else empty  # noqa: E731
-    far = plan.far_keys
+    tables = plan.kernel_tables
     return native.decode_attention(
         query=query, query_scale=plan.queries.scale, query_cos=plan.queries.rotation.cos,
         query_sin=plan.queries.rotation.sin, kv_cache=kv_cache, block_ids=plan.block_ids,
-        seq_lens=plan.seq_lens, window=plan.window, band_start=plan.band_start, near_cos=by_row(band.cos),
-        near_sin=by_row(band.sin), far_steps=far.every(DECODE_FAR_STEP) if far is not None else none,
-        far_offsets=far.first(DECODE_FAR_STEP) if far is not None else none,
-        far_table=far.table_of_row if far is not None else torch.full_like(plan.window, -1), step=DECODE_FAR_STEP,
-        scale=scale)
+        seq_lens=plan.seq_lens, window=plan.window, band_start=plan.band_start, near_cos=tables.near.cos,
+        near_sin=tables.near.sin, far_steps=tables.far_steps, far_offsets=tables.far_offsets,
+        far_table=tables.far_table, step=DECODE_FAR_STEP, scale=scale)
 
 
 def decode_torch(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,

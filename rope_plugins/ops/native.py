@@ -1,4 +1,4 @@
-"""The C++ kernels (``csrc/``: decode, one-pass prefill, one module): built on first use with
+"""The C++ kernels (``csrc/``: decode, one-pass prefill, the cache write; one module): built on first use with
 PyTorch's extension builder and cached (``scripts/install.sh`` builds them once ahead of
 time), and typed wrappers called by keyword.
 
@@ -23,7 +23,7 @@ from ..planner import Rotation
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
-           for name in ("decode_attention.cpp", "prefill_attention.cpp", "bindings.cpp")]
+           for name in ("decode_attention.cpp", "prefill_attention.cpp", "write_cache.cpp", "bindings.cpp")]
 # Reassociation lets the compiler vectorise the dot products; inf/nan semantics are kept.
 # ROPE_EXTEND_MARCH: the target CPU (images built for other machines set e.g. x86-64-v3).
 MARCH_ENV = "ROPE_EXTEND_MARCH"
@@ -79,6 +79,12 @@ def decode_attention(*, query: torch.Tensor, query_scale: torch.Tensor, query_co
     return kernels().decode_attention(query, query_scale, query_cos, query_sin, kv_cache, block_ids, seq_lens,
                                       window, band_start, near_cos, near_sin, far_steps.cos, far_steps.sin,
                                       far_offsets.cos, far_offsets.sin, far_table, step, scale)
+
+
+def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Keys and values ``[T, kv, d]`` (unrotated) into ``kv_cache`` ``[blocks, kv, bs, 2d]`` at
+    ``slots`` ``[T]`` (``block * bs + offset``; negative slots are padding and skipped)."""
+    kernels().write_cache(key, value, kv_cache, slots)
 
 
 def prefill_attention(*, near_query: torch.Tensor, far_query: torch.Tensor, near_keys_t: torch.Tensor,
