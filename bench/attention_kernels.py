@@ -74,23 +74,36 @@ def torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 REROPE_WINDOW = 1024
 
 
+def paged(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Keys and values ``[S, kv, d]`` (one sequence) in the plugin's cache ``[blocks, kv, bs, 2d]``, blocks in order."""
+    seq = key.shape[0]
+    blocks = -(-seq // BLOCK)
+    cache = torch.zeros(blocks * BLOCK, KV_HEADS, 2 * HEAD_DIM)
+    cache[:seq] = torch.cat((key, value), dim=-1)
+    return cache.view(blocks, BLOCK, KV_HEADS, 2 * HEAD_DIM).transpose(1, 2).contiguous()
+
+
 def plugin_attention(window: int):
-    """The plugin's one-pass prefill as rope_plugins.ops.cpu.prefill_kernel calls it, with
-    identity rotations (so its answer is plain causal attention)."""
-    from rope_plugins.ops import cpu, native
+    """The plugin's one-pass prefill as the attention calls it (rope_plugins.ops.cpu.prefill_kernel:
+    keys and values read out of the paged cache, then the kernel), with identity rotations (so its
+    answer is plain causal attention); the cache is written outside the timing."""
+    from rope_plugins.ops import cpu
+    from rope_plugins.planner import PrefillRow, QueryPlan, Rotation
+
+    caches = {}
 
     def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
-        tile, seq = cpu.KERNEL_KEY_TILE, key.shape[0]
-        padded = -(-seq // tile) * tile
-        near_origin, near_keys = 0, key.new_empty(0)
-        if window:
-            band_start = max(0, context - window + 1)
-            near_origin = band_start // tile * tile
-            near_keys = cpu.key_tiles(key[near_origin:], padded - near_origin)
-        scaled = (query * SCALE).contiguous()
-        return native.prefill_attention(near_query=scaled, far_query=scaled, near_keys_t=near_keys,
-                                        far_keys_t=cpu.key_tiles(key, padded), values=value.permute(1, 0, 2).contiguous(),
-                                        context=context, window=window, near_origin=near_origin)
+        chunk, seq, half = query.shape[0], key.shape[0], HEAD_DIM // 2
+        if (seq, key.data_ptr()) not in caches:
+            caches[seq, key.data_ptr()] = paged(key, value)
+        cache = caches[seq, key.data_ptr()]
+        identity = lambda n: Rotation(cos=torch.ones(n, 1, half), sin=torch.zeros(n, 1, half))  # noqa: E731
+        band_start = max(0, context - window + 1) if window else 0
+        row = PrefillRow(tokens=slice(0, chunk), context=context, seq_len=seq, row=0, window=window,
+                         first_far=max(0, window - context), far_keys=None, band_start=band_start,
+                         band_keys=identity(seq - band_start) if window else None)
+        queries = QueryPlan(scale=torch.ones(chunk), near=identity(chunk), far=identity(chunk))
+        return cpu.prefill_kernel(query, queries, cache, torch.arange(cache.shape[0]), row, scale=SCALE)
 
     return run
 
@@ -207,6 +220,18 @@ def markdown(report: dict) -> str:
     lines += [f"| {r['context']:,} | {r['chunk']:,} | {r['seconds']['vllm']:.3f} | "
               + " | ".join(f"{r['seconds'][name] / r['seconds']['vllm']:.2f}" for name in others)
               + f" | {r['max_abs_difference']:.1e} |" for r in rows]
+    decode = report.get("decode", [])
+    if decode:
+        others = [name for name in decode[0]["seconds"] if name != "vllm"]
+        lines += ["", f"Decode (one query per row over its cached keys, {DECODE_CALLS} calls per sample, medians of "
+                  f"{max(report['reps'], 5)}); vLLM's time with the cache bytes it reads per second, each plugin "
+                  "kernel's time as a multiple of vLLM's:", "",
+                  "| rows x keys | vLLM ms | vLLM GB/s | " + " | ".join(others) + " | max abs difference |",
+                  "| --- | --- | --- | " + " | ".join("---" for _ in others) + " | --- |"]
+        lines += [f"| {r['rows']} x {r['keys']:,} | {r['seconds']['vllm'] * 1e3:.2f} | "
+                  f"{r['cache_gb_per_second']['vllm']:.1f} | "
+                  + " | ".join(f"{r['seconds'][name] / r['seconds']['vllm']:.2f}" for name in others)
+                  + f" | {r['max_abs_difference']:.1e} |" for r in decode]
     return "\n".join(lines)
 
 

@@ -106,13 +106,14 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
             output[plan.decode.tokens] = cpu.decode(query[plan.decode.tokens], kv_cache, plan.decode, plan.query,
                                                     scale=self.scale, use_kernel=self.use_kernel)
         for row in plan.prefill:
-            near_query, far_query = cpu.rotated_queries(query[row.tokens], plan.query, row.tokens)
-            keys, values = cpu.sequence_keys(kv_cache, plan.block_table[row.row], row.seq_len)
             if self.use_kernel and cpu.uses_prefill_kernel(query):
-                output[row.tokens] = cpu.prefill_kernel(near_query, far_query, keys, values, row, scale=self.scale)
-            else:
-                output[row.tokens] = cpu.prefill(near_query, far_query, keys, values, row, scale=self.scale,
-                                                 group=self.group)
+                output[row.tokens] = cpu.prefill_kernel(query[row.tokens], plan.query, kv_cache,
+                                                        plan.block_table[row.row], row, scale=self.scale)
+                continue
+            keys, values = cpu.sequence_keys(kv_cache, plan.block_table[row.row], row.seq_len)
+            near_query, far_query = cpu.rotated_queries(query[row.tokens], plan.query, row.tokens)
+            output[row.tokens] = cpu.prefill(near_query, far_query, keys, values, row, scale=self.scale,
+                                             group=self.group)
         return output
 
 

@@ -31,6 +31,17 @@ constexpr int64_t kColumns = 32;   // accumulator columns: keys per tile, value 
 constexpr int64_t kQueryTile = 64; // queries per work item (times the group's heads)
 constexpr int64_t kKeyStep = 256;  // keys per online-softmax update (8 micro-kernel tiles)
 
+// out = factor R(angle) x for the pairs (i, i + half)
+inline void rotate_scaled(const float* __restrict x, float factor, const float* __restrict cos,
+                          const float* __restrict sin, float* __restrict out, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float first = factor * x[i], second = factor * x[i + half];
+    out[i] = first * cos[i] - second * sin[i];
+    out[i + half] = second * cos[i] + first * sin[i];
+  }
+}
+
 // c[rows, 32] (+)= a[rows, depth] . b[depth, 32]; rows <= 8; a row-major (lda), b row-major (ldb)
 template <int64_t rows>
 inline void micro_gemm(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t ldb,
@@ -71,27 +82,38 @@ inline void gemm_columns(const float* a, int64_t lda, const float* b, int64_t ld
 
 }  // namespace
 
-// near_query / far_query [L, H, d]: the chunk's queries rotated (and scaled, softmax scale
-// included); near_keys_t [kv, tiles, d, 32]: key n in tile (n - near_origin) / 32 (near_origin
-// a multiple of 32 at or before the first key any near query sees); far_keys_t
-// [kv, tiles, d, 32] from key 0; values [kv, >= seq_len, d]. Returns [L, H, d].
-torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Tensor& far_query,
+// query [L, H, d]: the chunk's queries as the model made them (unrotated, unscaled; any
+// token and head strides); query_scale [L] (log-n x the method's factor); near_cos / near_sin
+// and far_cos / far_sin [L, d/2]: each query's near and far angle. The kernel scales and turns
+// each query as it copies it into its tile. near_keys_t [kv, tiles, d, 32]: key n in tile
+// (n - near_origin) / 32 (near_origin a multiple of 32 at or before the first key any near query
+// sees); far_keys_t [kv, tiles, d, 32] from key 0; values [kv, >= seq_len, d]. Returns [L, H, d].
+torch::Tensor prefill_attention(const torch::Tensor& query, const torch::Tensor& query_scale,
+                                const torch::Tensor& near_cos, const torch::Tensor& near_sin,
+                                const torch::Tensor& far_cos, const torch::Tensor& far_sin,
                                 const torch::Tensor& near_keys_t, const torch::Tensor& far_keys_t,
-                                const torch::Tensor& values, int64_t context, int64_t window, int64_t near_origin) {
-  TORCH_CHECK(near_query.scalar_type() == torch::kFloat32, "prefill_attention: float32 only");
-  TORCH_CHECK(near_query.is_contiguous() && far_query.is_contiguous() && far_keys_t.is_contiguous() &&
-                  values.is_contiguous() && (window == 0 || near_keys_t.is_contiguous()),
+                                const torch::Tensor& values, int64_t context, int64_t window, int64_t near_origin,
+                                double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "prefill_attention: float32 only");
+  TORCH_CHECK(query.stride(2) == 1 && far_keys_t.is_contiguous() && values.is_contiguous() &&
+                  (window == 0 || near_keys_t.is_contiguous()),
               "prefill_attention: contiguous inputs");
-  const int64_t chunk = near_query.size(0), heads = near_query.size(1), d = near_query.size(2);
+  const int64_t chunk = query.size(0), heads = query.size(1), d = query.size(2), half = d / 2;
+  const int64_t token_stride = query.stride(0), head_stride = query.stride(1);
+  auto factor_of = query_scale.to(torch::kFloat32).contiguous();
+  auto ncos = near_cos.contiguous(), nsin = near_sin.contiguous(), fcos = far_cos.contiguous(), fsin = far_sin.contiguous();
   const int64_t kv_heads = values.size(0), group = heads / kv_heads;
   TORCH_CHECK(d % kColumns == 0, "prefill_attention: head size must be a multiple of ", kColumns);
   const int64_t seq_len = context + chunk;
   const int64_t tile_size = d * kColumns, value_stride = values.size(1);
   const int64_t far_tiles = far_keys_t.size(1), near_tiles = window ? near_keys_t.size(1) : 0;
-  auto output = torch::empty_like(near_query);
+  auto output = torch::empty({chunk, heads, d}, query.options());
 
-  const float* near_q = near_query.data_ptr<float>();
-  const float* far_q = far_query.data_ptr<float>();
+  const float* q = query.data_ptr<float>();
+  const float* factor_p = factor_of.data_ptr<float>();
+  const float *ncos_p = ncos.data_ptr<float>(), *nsin_p = nsin.data_ptr<float>();
+  const float *fcos_p = fcos.data_ptr<float>(), *fsin_p = fsin.data_ptr<float>();
+  const float softmax_scale = static_cast<float>(scale);
   const float* near_k = window ? near_keys_t.data_ptr<float>() : nullptr;
   const float* far_k = far_keys_t.data_ptr<float>();
   const float* value = values.data_ptr<float>();
@@ -112,10 +134,16 @@ torch::Tensor prefill_attention(const torch::Tensor& near_query, const torch::Te
       const int64_t tile = tiles - 1 - item / kv_heads, h = item % kv_heads;
       const int64_t first_query = tile * kQueryTile, queries = std::min(kQueryTile, chunk - first_query);
       const int64_t rows = queries * group;  // row (t, g): query first_query + t, head h * group + g
-      for (int64_t t = 0; t < queries; ++t) {
-        const int64_t source = ((first_query + t) * heads + h * group) * d;
-        if (window > 0) std::copy(near_q + source, near_q + source + group * d, near_tile.data() + t * group * d);
-        std::copy(far_q + source, far_q + source + group * d, far_tile.data() + t * group * d);
+      for (int64_t t = 0; t < queries; ++t) {  // the tile's queries scaled and turned to their near and far angle
+        const int64_t token = first_query + t;
+        const float factor = factor_p[token] * softmax_scale;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* raw = q + token * token_stride + (h * group + g) * head_stride;
+          const int64_t r = t * group + g;
+          if (window > 0)
+            rotate_scaled(raw, factor, ncos_p + token * half, nsin_p + token * half, near_tile.data() + r * d, half);
+          rotate_scaled(raw, factor, fcos_p + token * half, fsin_p + token * half, far_tile.data() + r * d, half);
+        }
       }
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
       std::fill(running_max.begin(), running_max.begin() + rows, kNegInf);

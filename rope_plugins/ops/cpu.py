@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..planner import DECODE_FAR_STEP, DecodePlan, PrefillRow, QueryPlan
+from ..planner import DECODE_FAR_STEP, DecodePlan, PrefillRow, QueryPlan, Rotation
 from ..rotary import rotate_by
 from . import native
 from .merge import merge_partials
@@ -72,31 +72,29 @@ def uses_prefill_kernel(query: torch.Tensor) -> bool:
             and native.kernels() is not None)
 
 
-def key_tiles(keys: torch.Tensor, length: int) -> torch.Tensor:
-    """Keys ``[n, kv, d]`` as tiles ``[kv, length / 32, d, 32]`` (zero past ``n``): one tile's keys
-    of one dimension are one vector, one tile one block of memory."""
-    tile = KERNEL_KEY_TILE
-    padded = torch.nn.functional.pad(keys, (0, 0, 0, 0, 0, length - keys.shape[0]))
-    return padded.view(length // tile, tile, keys.shape[1], keys.shape[2]).permute(2, 0, 3, 1).contiguous()
-
-
-def prefill_kernel(near_query: torch.Tensor, far_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
                    row: PrefillRow, *, scale: float) -> torch.Tensor:
-    """:func:`prefill` in one pass of the C++ kernel: keys rotated once per chunk to their near
-    and far angles and laid out so that one tile of keys is one contiguous vector."""
-    tile = KERNEL_KEY_TILE
-    padded = -(-row.seq_len // tile) * tile
-    far_keys = rotate_by(keys, row.far_keys.cos, row.far_keys.sin) if row.far_keys is not None else keys
-    near_origin, near_keys = 0, far_keys.new_empty(0)
+    """:func:`prefill` in one pass of the C++ kernel, from the row's unrotated queries
+    ``[L, heads, d]`` (the kernel scales and turns them as it reads them) and the paged cache:
+    its keys read out once per chunk at their far angle (raw under ReRoPE) and, for the band, at
+    their near angle, in tiles whose 32 keys of one dimension are one contiguous vector."""
+    tile, half = KERNEL_KEY_TILE, query.shape[-1] // 2
+    tiles = -(-row.seq_len // tile)
+    flat = lambda rotation: Rotation(cos=rotation.cos.reshape(-1, half), sin=rotation.sin.reshape(-1, half))  # noqa: E731
+    far_keys = native.cache_key_tiles(kv_cache=kv_cache, block_ids=block_ids, first=0, count=row.seq_len,
+                                      rotation=flat(row.far_keys) if row.far_keys is not None else None, origin=0,
+                                      tiles=tiles)
+    near_origin, near_keys = 0, kv_cache.new_empty(0)
     if row.window:
         near_origin = row.band_start // tile * tile
-        band = rotate_by(keys[row.band_start:], row.band_keys.cos, row.band_keys.sin)
-        band = torch.nn.functional.pad(band, (0, 0, 0, 0, row.band_start - near_origin, 0))
-        near_keys = key_tiles(band, padded - near_origin)
+        near_keys = native.cache_key_tiles(kv_cache=kv_cache, block_ids=block_ids, first=row.band_start,
+                                           count=row.seq_len - row.band_start, rotation=flat(row.band_keys),
+                                           origin=near_origin, tiles=tiles - near_origin // tile)
     return native.prefill_attention(
-        near_query=(near_query * scale).contiguous(), far_query=(far_query * scale).contiguous(),
-        near_keys_t=near_keys, far_keys_t=key_tiles(far_keys, padded),
-        values=values.permute(1, 0, 2).contiguous(), context=row.context, window=row.window, near_origin=near_origin)
+        query=query, query_scale=queries.scale[row.tokens], near=flat(queries.near[row.tokens]),
+        far=flat(queries.far[row.tokens]), near_keys_t=near_keys, far_keys_t=far_keys,
+        values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),
+        context=row.context, window=row.window, near_origin=near_origin, scale=scale)
 
 
 def prefill(near_query: torch.Tensor, far_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

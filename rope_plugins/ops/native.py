@@ -23,7 +23,8 @@ from ..planner import Rotation
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
-           for name in ("decode_attention.cpp", "prefill_attention.cpp", "write_cache.cpp", "bindings.cpp")]
+           for name in ("decode_attention.cpp", "prefill_attention.cpp", "write_cache.cpp", "cache_layout.cpp",
+                         "bindings.cpp")]
 # Reassociation lets the compiler vectorise the dot products; inf/nan semantics are kept.
 # ROPE_EXTEND_MARCH: the target CPU (images built for other machines set e.g. x86-64-v3).
 MARCH_ENV = "ROPE_EXTEND_MARCH"
@@ -87,19 +88,35 @@ def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     kernels().write_cache(key, value, kv_cache, slots)
 
 
-def prefill_attention(*, near_query: torch.Tensor, far_query: torch.Tensor, near_keys_t: torch.Tensor,
-                      far_keys_t: torch.Tensor, values: torch.Tensor, context: int, window: int,
-                      near_origin: int) -> torch.Tensor:
+def cache_key_tiles(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, first: int, count: int,
+                    rotation: Rotation | None, origin: int, tiles: int) -> torch.Tensor:
+    """Keys at positions ``first .. first + count - 1`` of the sequence in blocks ``block_ids``,
+    turned by ``rotation`` (``[count, d/2]``; None: raw), as tiles ``[kv, tiles, d, 32]``: key
+    ``n`` at column ``(n - origin) % 32`` of tile ``(n - origin) // 32``, zero elsewhere. float32."""
+    empty = kv_cache.new_empty(0)
+    cos, sin = (rotation.cos, rotation.sin) if rotation is not None else (empty, empty)
+    return kernels().cache_key_tiles(kv_cache, block_ids, first, count, cos, sin, origin, tiles)
+
+
+def cache_values(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The values of positions ``0 .. seq_len - 1`` of the sequence in blocks ``block_ids``: ``[kv, seq_len, d]``."""
+    return kernels().cache_values(kv_cache, block_ids, seq_len)
+
+
+def prefill_attention(*, query: torch.Tensor, query_scale: torch.Tensor, near: Rotation, far: Rotation,
+                      near_keys_t: torch.Tensor, far_keys_t: torch.Tensor, values: torch.Tensor, context: int,
+                      window: int, near_origin: int, scale: float) -> torch.Tensor:
     """One-pass prefill of one request's chunk of ``L`` queries at ``context .. context + L - 1``, float32.
 
-    near_query / far_query ``[L, H, d]`` rotated to their near / far angle and scaled (softmax
-    scale included); near_keys_t ``[kv, tiles, d, 32]``: keys at ``n θ`` in tiles of 32 from
+    query ``[L, H, d]`` unrotated and unscaled (the kernel scales each by ``query_scale`` ``[L]``
+    and the softmax ``scale``, and turns it by ``near`` and ``far``, ``[L, d/2]`` each, as it
+    reads it); near_keys_t ``[kv, tiles, d, 32]``: keys at ``n θ`` in tiles of 32 from
     position ``near_origin`` (a multiple of 32 at or before the first key any near query sees);
     far_keys_t ``[kv, tiles, d, 32]`` from position 0 at their far angle (raw under ReRoPE), both
     zero past the sequence's end; values ``[kv, seq_len, d]``. Returns ``[L, H, d]``.
     """
-    return kernels().prefill_attention(near_query, far_query, near_keys_t, far_keys_t, values, context, window,
-                                             near_origin)
+    return kernels().prefill_attention(query, query_scale, near.cos, near.sin, far.cos, far.sin, near_keys_t,
+                                       far_keys_t, values, context, window, near_origin, scale)
 
 
 if __name__ == "__main__":
