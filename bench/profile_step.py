@@ -4,11 +4,14 @@
     .venv/bin/python bench/profile_step.py --length 8192 --config stock
 
     .venv/bin/python bench/profile_step.py --length 16384 --config rerope --cached --new-tokens 33
+    .venv/bin/python bench/profile_step.py --length 2048 --config mixed --batch 8 --new-tokens 64
 
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the
 model's operators; prints the top operators by self CPU time and writes the table to
 bench/results/profile_<config>_<length>.txt (``--cached``: the prompt is in the prefix cache
-before the profiled request, so the profile is decode steps, in profile_<config>_<length>_decode.txt).
+before the profiled request, so the profile is decode steps, in profile_<config>_<length>_decode.txt;
+``--batch 8``: that many requests at once, each with its own prompt, and ``--config mixed`` gives them
+bench/speed.py's mix of settings, in profile_<config>_<length>_batch8.txt).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=1)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--cached", action="store_true", help="profile decode: run the prompt once before")
+    parser.add_argument("--batch", type=int, default=1, help="requests at once (speed.py's batch of 8)")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -40,25 +44,32 @@ def main() -> None:
 
     model = str(provision_default_model())
     max_len = 1 << (args.length + args.new_tokens + 64 - 1).bit_length()
-    common = dict(dtype="float32", kv_cache_memory_bytes=2 << 30, max_model_len=max_len,
+    common = dict(dtype="float32", kv_cache_memory_bytes=(2 << 30) * max(1, max_len // 32768), max_model_len=max_len,
                   max_num_batched_tokens=max(max_len // 2, 8192), enable_prefix_caching=args.cached)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    ids = [random.Random(0).randrange(100, 40000) for _ in range(args.length)]
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(args.length)]} for _ in range(args.batch)]
     compute_on_every_core()  # the same cores for stock and plugin
     if args.config == "stock":
         llm = LLM(model=model, hf_overrides={"max_position_embeddings": max_len}, **common)
-        prompt = {"prompt_token_ids": ids}
+        requests = prompts, [params] * len(prompts)
     else:
         llm = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common))
         defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
-        prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, {"method": args.config}, defaults)
-    llm.generate([prompt], params, use_tqdm=False)  # warm (and, with --cached, fill the prefix cache)
+        settings = [{"method": args.config}] * len(prompts)
+        if args.config == "mixed":
+            from speed import BATCH_MIX  # this script's folder is on the path
+
+            settings = [BATCH_MIX[i % len(BATCH_MIX)] for i in range(len(prompts))]
+        built = [extension_request(p, params, s, defaults) for p, s in zip(prompts, settings)]
+        requests = [b[0] for b in built], [b[1] for b in built]
+    llm.generate(*requests, use_tqdm=False)  # warm (and, with --cached, fill the prefix cache)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate(*requests, use_tqdm=False)
     table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
     print(table)
     RESULTS.mkdir(exist_ok=True)
-    suffix = "_decode" if args.cached else ""
+    suffix = ("_decode" if args.cached else "") + (f"_batch{args.batch}" if args.batch > 1 else "")
     (RESULTS / f"profile_{args.config}_{args.length}{suffix}.txt").write_text(table)
 
 

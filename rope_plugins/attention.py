@@ -142,8 +142,10 @@ class RopeExtendAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # token-major blocks: a block's tokens gather into [tokens, kv_heads, 2d] without a copy
-        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+        # head-major blocks first, as stock vLLM's CPU cache: one head's keys of a block are one
+        # contiguous run, which the C++ kernels read per head (decode reads each row once, so
+        # interleaved heads would cost it memory bandwidth). Token-major works too (any strides).
+        return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:

@@ -18,6 +18,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "vector_math.h"
 
 namespace {
@@ -64,6 +68,33 @@ inline void micro_gemm(const float* __restrict a, int64_t lda, const float* __re
     for (int64_t j = 0; j < kColumns; ++j) c[r * ldc + j] = acc[r][j];
   }
 }
+
+#if defined(__AVX512F__)
+// The full 8-row block in AVX-512 intrinsics (two 16-float halves per row): about 5% faster
+// than GCC's code for the loop above (bench/attention_kernels.py).
+template <>
+inline void micro_gemm<kRows>(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t ldb,
+                              float* __restrict c, int64_t ldc, int64_t depth, bool accumulate) {
+  __m512 low[kRows], high[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    low[r] = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+    high[r] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const __m512 b_low = _mm512_loadu_ps(b + k * ldb), b_high = _mm512_loadu_ps(b + k * ldb + 16);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512 a_rk = _mm512_set1_ps(a[r * lda + k]);
+      low[r] = _mm512_fmadd_ps(a_rk, b_low, low[r]);
+      high[r] = _mm512_fmadd_ps(a_rk, b_high, high[r]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(c + r * ldc, low[r]);
+    _mm512_storeu_ps(c + r * ldc + 16, high[r]);
+  }
+}
+#endif
 
 // c[m, 32] (+)= a[m, depth] . b[depth, 32] for any m, in blocks of 8 rows
 inline void gemm_columns(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t m,
@@ -169,7 +200,7 @@ torch::Tensor prefill_attention(const torch::Tensor& query, const torch::Tensor&
                          (any_near ? far_scores.data() : scores.data()) + tile_key, kKeyStep, rows, d, false);
         }
         const bool straddles = any_near && any_far;
-        const bool masked = keys < kKeyStep || first_key + kKeyStep - 1 > first_position;  // the causal edge
+        const bool masked = first_key + keys - 1 > first_position;  // the causal edge
         for (int64_t t = 0; t < queries; ++t) {
           const int64_t first_distance = first_position + t - first_key;  // m - n at j = 0
           for (int64_t g = 0; g < group; ++g) {
@@ -178,16 +209,15 @@ torch::Tensor prefill_attention(const torch::Tensor& query, const torch::Tensor&
             const float* __restrict row_far = far_scores.data() + r * kKeyStep;
             if (straddles) {
 #pragma omp simd
-              for (int64_t j = 0; j < kKeyStep; ++j) row_scores[j] = first_distance - j >= window ? row_far[j] : row_scores[j];
+              for (int64_t j = 0; j < keys; ++j) row_scores[j] = first_distance - j >= window ? row_far[j] : row_scores[j];
             }
             if (masked) {
 #pragma omp simd
-              for (int64_t j = 0; j < kKeyStep; ++j)
-                row_scores[j] = (j < keys && first_distance - j >= 0) ? row_scores[j] : kNegInf;
+              for (int64_t j = 0; j < keys; ++j) row_scores[j] = first_distance - j >= 0 ? row_scores[j] : kNegInf;
             }
-            const float tile_max = max_of(row_scores, kKeyStep, running_max[r]);
+            const float tile_max = max_of(row_scores, keys, running_max[r]);
             const float correction = exp_nonpositive(running_max[r] - tile_max);  // 0 on the first tile
-            const float total = exponentiate(row_scores, kKeyStep, tile_max);
+            const float total = exponentiate(row_scores, keys, tile_max);
             running_sum[r] = running_sum[r] * correction + total;
             running_max[r] = tile_max;
             if (correction != 1.f) {  // the row's maximum moved: rescale what it has summed

@@ -25,11 +25,20 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : exp_r * two_n;
 }
 
-// The largest of scores[0 .. count) and `floor`.
+// The largest of scores[0 .. count) and `floor`. A max reduction is not vectorised by GCC
+// (NaN order), so 16 running maxima are kept lane by lane, elementwise, and folded at the end.
 inline float max_of(const float* __restrict scores, int64_t count, float floor) {
+  constexpr int64_t kLanes = 16;
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, floor);
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], scores[j + l]);
+  }
   float maximum = floor;
-#pragma omp simd reduction(max : maximum)
-  for (int64_t j = 0; j < count; ++j) maximum = std::max(maximum, scores[j]);
+  for (; j < count; ++j) maximum = std::max(maximum, scores[j]);
+  for (int64_t l = 0; l < kLanes; ++l) maximum = std::max(maximum, lanes[l]);
   return maximum;
 }
 
