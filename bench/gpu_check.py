@@ -98,7 +98,8 @@ def decoding_every_method(train_length: int, contexts: tuple[int, ...]) -> tuple
     fields = (dict(method="rerope", window=window), dict(method="leaky_rerope", window=window, leaky_k=16.0, log_n=True),
               dict(method="ntk_mixed", factor=4.0, log_n=True), dict(method="yarn", factor=4.0),
               dict(method="pi", factor=4.0), dict(method="ntk_old", factor=8.0),
-              dict(method="ntk_fixed", factor=4.0, log_n=True), dict(method="none"))
+              dict(method="ntk_fixed", factor=4.0, log_n=True), dict(method="none"),
+              dict(method="self_extend", window=window, group=8, log_n=True))
     assert len(contexts) == len(fields)
     return tuple((chosen, context, 1) for chosen, context in zip(fields, contexts))
 
@@ -114,8 +115,9 @@ REAL = Sizes(
         (dict(method="leaky_rerope", window=500, leaky_k=16.0), 0, 512),
         (dict(method="ntk_mixed", factor=4.0), 2944, 128),
         (dict(method="yarn", factor=4.0, log_n=True), 5000, 128),
+        (dict(method="self_extend", window=1000, group=16), 4000, 256),
         # decode rows at several thousand keys
-        *decoding_every_method(4096, (8191, 6000, 7000, 5500, 4500, 3000, 6500, 2000)),
+        *decoding_every_method(4096, (8191, 6000, 7000, 5500, 4500, 3000, 6500, 2000, 7500)),
     ),
 )
 # Small enough for Triton's interpreter; decode splits of 32 keys so that rows span several.
@@ -126,7 +128,8 @@ SMALL = Sizes(
         (dict(method="rerope", window=37, log_n=True), 40, 30),
         (dict(method="leaky_rerope", window=20, leaky_k=4.0), 0, 24),
         (dict(method="ntk_mixed", factor=4.0), 20, 17),
-        *decoding_every_method(64, (130, 100, 90, 75, 70, 66, 110, 50)),
+        (dict(method="self_extend", window=12, group=4), 30, 20),
+        *decoding_every_method(64, (130, 100, 90, 75, 70, 66, 110, 50, 120)),
     ),
     query_tile=16, min_split_keys=32,
 )

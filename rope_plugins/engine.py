@@ -17,7 +17,8 @@ from vllm import SamplingParams
 
 from .checkpoint import UnsupportedCheckpoint, checkpoint_rotary
 from .plugin import FAMILIES, extended_architecture
-from .settings import CONFIG_KEY, EXTRA_ARGS_KEY, ExtensionSettings, parse_settings
+from .settings import (AUTO, CONFIG_KEY, EXTRA_ARGS_KEY, ExtensionSettings, SettingsError, parse_settings,
+                       with_factor_resolved)
 from .tracker import RequestSettingsAdmission, RequestSettingsTracker
 
 
@@ -136,7 +137,13 @@ def salted_prompt(prompt: dict[str, Any], settings: ExtensionSettings) -> dict[s
 def extension_request(prompt: dict[str, Any], params: SamplingParams, fields: dict[str, Any] | None,
                       defaults: ExtensionSettings) -> tuple[dict[str, Any], SamplingParams, ExtensionSettings]:
     """A request under ``defaults`` overridden by ``fields``: validated completely (raises
-    SettingsError), the prompt salted for the prefix cache, the settings in ``extra_args``."""
+    SettingsError), the prompt salted for the prefix cache, the settings in ``extra_args``.
+    ``factor: "auto"`` is sized here to the prompt's token ids and ``max_tokens``."""
+    if isinstance(fields, dict) and fields.get("factor") == AUTO:
+        if "prompt_token_ids" not in prompt:
+            raise SettingsError("factor", f"{AUTO!r} needs the prompt as token ids (prompt_token_ids) to size it")
+        total_tokens = len(prompt["prompt_token_ids"]) + (params.max_tokens or 0)
+        fields = with_factor_resolved(fields, total_tokens, defaults)
     settings = parse_settings(fields, defaults)
     params = params.clone()
     params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: settings.model_dump()}

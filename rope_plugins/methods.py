@@ -5,7 +5,9 @@ Each method is one general rule (DESIGN.md): the query at position ``m`` scores 
 at ``w + (r - w) ρ``, which is the far query at position ``w + (m - w) ρ`` against the far key
 at ``n ρ``; with the method's frequencies ``θ`` and a factor on the query. Frequency methods
 have no window (``w = 0, ρ = 1``) and change ``θ``; ReRoPE has ``ρ = 0`` (old keys read raw
-against one pre-rotated query) and Leaky ReRoPE ``ρ = 1/k``.
+against one pre-rotated query) and Leaky ReRoPE ``ρ = 1/k``. Self-Extend (LongLM) groups
+positions: ``ρ = 1/g`` with each far position floored to its group, the far query at
+``⌊m/g⌋ + w - ⌊w/g⌋`` against the far key at ``⌊n/g⌋``.
 
 Frequencies apply on top of the checkpoint's own table (:mod:`rope_plugins.checkpoint`):
 a method multiplies each pair of ``θ_ckpt`` by the factor it applies to plain RoPE at the
@@ -58,6 +60,10 @@ def _unit_query_factor(settings: ExtensionSettings) -> float:
     return 1.0
 
 
+def _ungrouped(settings: ExtensionSettings) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class ExtensionMethod:
     """One method: the settings fields it reads, and its rules as functions of the settings."""
@@ -69,6 +75,8 @@ class ExtensionMethod:
     window: Callable[[ExtensionSettings], int] = _no_window  # w: keys closer than this score plain RoPE
     leak: Callable[[ExtensionSettings], float] = _full_leak  # ρ: how far positions advance beyond w
     query_factor: Callable[[ExtensionSettings], float] = _unit_query_factor  # on every query (before log-n)
+    # g: far positions floored to whole groups of g (then ρ = 1/g); 0 keeps them continuous
+    group: Callable[[ExtensionSettings], int] = _ungrouped
 
 
 METHODS: dict[str, ExtensionMethod] = {method.name: method for method in (
@@ -84,6 +92,8 @@ METHODS: dict[str, ExtensionMethod] = {method.name: method for method in (
                     query_factor=lambda s: yarn_attention_factor(s.factor) ** 2),
     ExtensionMethod("rerope", ("window",), window=lambda s: s.window, leak=lambda s: 0.0),
     ExtensionMethod("leaky_rerope", ("window", "leaky_k"), window=lambda s: s.window, leak=lambda s: 1.0 / s.leaky_k),
+    ExtensionMethod("self_extend", ("window", "group"), window=lambda s: s.window, leak=lambda s: 1.0 / s.group,
+                    group=lambda s: s.group),
 )}
 
 

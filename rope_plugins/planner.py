@@ -49,7 +49,7 @@ class QueryPlan:
 
     scale: torch.Tensor  # log-n x the method's factor, model dtype
     near: Rotation  # m θ
-    far: Rotation  # (w + (m - w) ρ) θ
+    far: Rotation  # (w + (m - w) ρ) θ; grouped: (⌊m/g⌋ + w - ⌊w/g⌋) θ
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class PrefillRow:
     row: int  # batch row (block table)
     window: int
     first_far: int  # the first query with any far key
-    far_keys: Rotation | None  # n ρ θ, [seq_len, 1, d/2]; None when ρ = 0 (read raw)
+    far_keys: Rotation | None  # n ρ θ (grouped: ⌊n/g⌋ θ), [seq_len, 1, d/2]; None when ρ = 0 (read raw)
     young: int = 0
     tile: int = 0
     tiles: int = 0
@@ -92,7 +92,7 @@ class DecodeBand:
 
 @dataclass(frozen=True)
 class FarKeys:
-    """Far-key rotations ``n ρ θ``: one table per distinct setting with ``ρ != 0``."""
+    """Far-key rotations ``n ρ θ`` (grouped: ``⌊n/g⌋ θ``): one table per distinct setting with ``ρ != 0``."""
 
     tables: tuple[Rotation, ...]  # [nb * bs, d/2] each
     table_of_row: torch.Tensor  # [Rd] int64; -1 when ρ = 0 (old keys read raw)
@@ -183,6 +183,7 @@ class StepRows:
     theta: torch.Tensor  # [R, d/2] float64
     window: torch.Tensor  # [R] int64
     leak: torch.Tensor  # [R] float64
+    group: torch.Tensor  # [R] int64
 
     @property
     def query_lens(self) -> torch.Tensor:
@@ -223,6 +224,7 @@ class KernelPlan:
     leak: torch.Tensor  # [R] float64
     log_n_length: torch.Tensor  # [R] float64
     query_factor: torch.Tensor  # [R] float64
+    group: torch.Tensor  # [R] int64
     prefill_tiles: PrefillTiles | None
     decode_rows: DecodeRows | None
 
@@ -260,7 +262,22 @@ def kernel_plan(tables: RowTables, *, query_start_cpu: torch.Tensor, query_start
         num_actual_tokens=int(query_start_cpu[rows]), slot_mapping=slot_mapping, block_table=block_table,
         query_start=query_start[: rows + 1], seq_lens=seq_lens, theta=on_device(tables.theta),
         window=on_device(tables.window), leak=on_device(tables.leak), log_n_length=on_device(tables.log_n_length),
-        query_factor=on_device(tables.query_factor), prefill_tiles=tiles, decode_rows=decode_rows)
+        query_factor=on_device(tables.query_factor), group=on_device(tables.group), prefill_tiles=tiles,
+        decode_rows=decode_rows)
+
+
+def far_query_positions(positions: torch.Tensor, window: torch.Tensor, leak: torch.Tensor,
+                        group: torch.Tensor) -> torch.Tensor:
+    """Where each query (0-based ``positions``, int64) stands for its far keys, float64:
+    ``w + (m - w) ρ``; with positions grouped (``g > 0``, Self-Extend) ``⌊m/g⌋ + w - ⌊w/g⌋``."""
+    groups = group.clamp(min=1)
+    grouped = (positions // groups + window - window // groups).to(torch.float64)
+    return torch.where(group > 0, grouped, window + (positions - window) * leak)
+
+
+def far_key_positions(positions: torch.Tensor, leak: float, group: int) -> torch.Tensor:
+    """Where keys at ``positions`` (int64) stand for far queries, float64: ``n ρ``; grouped ``⌊n/g⌋``."""
+    return (positions // group).to(torch.float64) if group else positions.to(torch.float64) * leak
 
 
 def log_n_factor(positions: torch.Tensor, log_n_length: torch.Tensor) -> torch.Tensor:
@@ -282,7 +299,7 @@ class StepPlanner:
         ``[R]``, the block table, the slots, and the rows' settings tables."""
         count = seq_lens.numel()
         rows = StepRows(starts=starts, seq_lens=seq_lens, theta=tables.theta[:count], window=tables.window[:count],
-                        leak=tables.leak[:count])
+                        leak=tables.leak[:count], group=tables.group[:count])
         query_lens = rows.query_lens
         decode = (query_lens == 1).nonzero().flatten()
         query = self.query_plan(rows, tables.log_n_length[:count], tables.query_factor[:count])
@@ -297,21 +314,22 @@ class StepPlanner:
         # position of each token: the request's context plus its offset in the chunk
         positions = (rows.seq_lens - query_lens)[token_row] + torch.arange(tokens) - rows.starts[:-1][token_row]
         theta = rows.theta[token_row]  # [T, d/2]
-        window = rows.window[token_row].to(torch.float64)
-        far_position = window + (positions - window) * rows.leak[token_row]
+        far_position = far_query_positions(positions, rows.window[token_row], rows.leak[token_row],
+                                           rows.group[token_row])
         scale = log_n_factor(positions, log_n_length[token_row]) * query_factor[token_row]
         return QueryPlan(scale=scale.to(self.dtype),
                          near=Rotation.of((positions[:, None].double() * theta)[:, None], self.dtype),
                          far=Rotation.of((far_position[:, None] * theta)[:, None], self.dtype))
 
-    def far_key_table(self, theta: torch.Tensor, leak: float, length: int) -> Rotation:
-        """``n ρ θ`` for key positions ``n < length``, ``[length, d/2]``; computed once per
-        setting (and per doubling of the length), not every step."""
-        key = (leak, theta.numpy().tobytes())
+    def far_key_table(self, theta: torch.Tensor, leak: float, group: int, length: int) -> Rotation:
+        """The far angles of key positions ``n < length`` (:func:`far_key_positions` x θ),
+        ``[length, d/2]``; computed once per setting (and per doubling of the length), not every step."""
+        key = (leak, group, theta.numpy().tobytes())
         table = self.far_tables.pop(key, None)  # re-inserted below: the dict is kept in use order
         if table is None or table.cos.shape[0] < length:
             capacity = max(1024, 1 << (length - 1).bit_length())
-            table = Rotation.of(torch.arange(capacity, dtype=torch.float64)[:, None] * (leak * theta), self.dtype)
+            positions = far_key_positions(torch.arange(capacity), leak, group)
+            table = Rotation.of(positions[:, None] * theta, self.dtype)
         self.far_tables[key] = table
         while len(self.far_tables) > FAR_TABLES_KEPT:
             self.far_tables.pop(next(iter(self.far_tables)))
@@ -334,17 +352,18 @@ class StepPlanner:
             block_ids=block_table[decode, : keys // self.block_size].to(torch.int64),
             keep=torch.arange(keys)[None, :] < seq_lens[:, None], seq_lens=seq_lens, window=window,
             band_start=(seq_lens - band_width).clamp(min=0),
-            far_keys=self.decode_far_keys(rows.theta[decode], rows.leak[decode], keys),
+            far_keys=self.decode_far_keys(rows.theta[decode], rows.leak[decode], rows.group[decode], keys),
             band=self.decode_band(rows.theta[decode], seq_lens, window, band_width, keys) if band_width > 0 else None)
 
-    def decode_far_keys(self, theta: torch.Tensor, leak: torch.Tensor, keys: int) -> FarKeys | None:
-        """One far-key table per distinct (θ, ρ != 0) among the decode rows."""
+    def decode_far_keys(self, theta: torch.Tensor, leak: torch.Tensor, group: torch.Tensor,
+                        keys: int) -> FarKeys | None:
+        """One far-key table per distinct (θ, ρ != 0, g) among the decode rows."""
         table_of_row, table_of_setting, tables = torch.full((leak.numel(),), -1, dtype=torch.int64), {}, []
         for r in (leak != 0).nonzero().flatten().tolist():
-            setting = (float(leak[r]), theta[r].numpy().tobytes())
+            setting = (float(leak[r]), int(group[r]), theta[r].numpy().tobytes())
             if setting not in table_of_setting:
                 table_of_setting[setting] = len(tables)
-                tables.append(self.far_key_table(theta[r], float(leak[r]), keys))
+                tables.append(self.far_key_table(theta[r], float(leak[r]), int(group[r]), keys))
             table_of_row[r] = table_of_setting[setting]
         return FarKeys(tables=tuple(tables), table_of_row=table_of_row) if tables else None
 
@@ -362,6 +381,7 @@ class StepPlanner:
     def prefill_row(self, rows: StepRows, row: int) -> PrefillRow:
         chunk, seq_len = int(rows.query_lens[row]), int(rows.seq_lens[row])
         context, window, leak, theta = seq_len - chunk, int(rows.window[row]), float(rows.leak[row]), rows.theta[row]
+        group = int(rows.group[row])
         young = min(max(window - context, 0), chunk)  # 0 without a window, as all that follows
         old = chunk - young if window else 0
         tile = min(self.prefill_tile, window, old) if old else 0
@@ -373,6 +393,6 @@ class StepPlanner:
         return PrefillRow(
             tokens=slice(int(rows.starts[row]), int(rows.starts[row + 1])), context=context, seq_len=seq_len, row=row,
             window=window, first_far=max(0, window - context),
-            far_keys=self.far_key_table(theta, leak, seq_len)[:, None] if leak != 0 else None,
+            far_keys=self.far_key_table(theta, leak, group, seq_len)[:, None] if leak != 0 else None,
             young=young, tile=tile, tiles=-(-old // tile) if old else 0, band_start=band_start if window else 0,
             band_keys=band_keys)

@@ -9,8 +9,8 @@ every formula is transcribed here from its source, in Python floats: the seeds' 
 equations for the NTK variants (seed 000, ``θ_m`` with ``m = 1 .. d/2``), position
 interpolation's ``θ / k``, YaRN's NTK-by-parts as its reference code defines it (the ramp
 between the correction dimensions of 32 and 1 rotations) with the temperature
-``sqrt(1/t) = 0.1 ln s + 1``, ReRoPE's and Leaky ReRoPE's positions (seed 003), log-n's
-``max(1, log_L n)``; the rotation is the complex product. The tests compare PI and YaRN with
+``sqrt(1/t) = 0.1 ln s + 1``, ReRoPE's and Leaky ReRoPE's positions (seed 003), Self-Extend's
+grouped positions (LongLM, Algorithm 1), log-n's ``max(1, log_L n)``; the rotation is the complex product. The tests compare PI and YaRN with
 transformers' own rope initialisation too.
 """
 
@@ -112,10 +112,17 @@ def oracle_frequencies(settings: ExtensionSettings, head_dim: int, base: float,
     return torch.tensor(frequencies, dtype=torch.float64)
 
 
-def oracle_relative_position(settings: ExtensionSettings, distance: torch.Tensor) -> torch.Tensor:
-    """Seed 003: ReRoPE scores ``min(r, w)``; Leaky ReRoPE ``r`` below ``w`` and
-    ``w + (r - w) / k`` from it; every other method the true ``r``."""
-    distance = distance.double()
+def oracle_relative_position(settings: ExtensionSettings, query_position: torch.Tensor,
+                             key_position: torch.Tensor) -> torch.Tensor:
+    """Seed 003: ReRoPE scores ``min(r, w)`` of ``r = m - n``; Leaky ReRoPE ``r`` below ``w`` and
+    ``w + (r - w) / k`` from it. LongLM's Self-Extend: neighbours (``r < w``) at ``r``, the rest
+    as the grouped query position ``m // g + w - w // g`` minus the grouped key position ``n // g``.
+    Every other method the true ``r``. Positions broadcast; returns float64."""
+    distance = (query_position - key_position).double()
+    if settings.method == "self_extend":
+        g, w = settings.group, settings.window
+        grouped = (query_position // g + w - w // g) - key_position // g
+        return torch.where(distance < w, distance, grouped.double())
     if settings.method == "rerope":
         return torch.minimum(distance, torch.tensor(float(settings.window), dtype=torch.float64))
     if settings.method == "leaky_rerope":
@@ -185,9 +192,9 @@ def reference_attention(
 
     for start in range(0, wanted.numel(), query_rows_per_chunk):
         rows = wanted[start: start + query_rows_per_chunk]
-        distance = positions[rows, None] - positions[None, :]  # [rows, seq], m - n
-        causal = distance >= 0
-        relative = oracle_relative_position(settings, distance.clamp(min=0))
+        query_position, key_position = positions[rows, None], positions[None, :]
+        causal = query_position >= key_position  # [rows, seq]
+        relative = oracle_relative_position(settings, query_position, key_position).masked_fill(~causal, 0.0)
         angle = -relative[..., None] * theta  # key n as query m sees it: R(-rel) k_n
         seen_key = rotate(key64[None], angle[:, :, None, :], neox_style)  # [rows, seq, kv, d]
 

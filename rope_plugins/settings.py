@@ -23,6 +23,7 @@ from .methods import METHODS
 MethodName = Literal[tuple(METHODS)]
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
 
+AUTO = "auto"  # a factor sized to the request at admission (length_factor)
 EXTRA_ARGS_KEY = "context_extension"  # SamplingParams.extra_args key of a request's settings
 CONFIG_KEY = "rope_extension"  # hf_config attribute (set through hf_overrides): the engine's defaults
 
@@ -32,6 +33,10 @@ CONFIG_KEY = "rope_extension"  # hf_config attribute (set through hf_overrides):
 MAX_POSITIONS = 1 << 24
 # Leaky ReRoPE's slope divisor: at 65536 the far keys are already flat (ReRoPE itself).
 MAX_LEAKY_K = 65536.0
+# Self-Extend's group sizes: powers of two up to 64, so that every 64-key step of the CPU decode
+# kernel's far-angle walk (csrc/decode_attention.cpp) holds whole groups and its split of a
+# key's angle into step + offset stays exact.
+SELF_EXTEND_GROUPS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class SettingsError(ValueError):
@@ -61,6 +66,7 @@ class ExtensionSettings(BaseModel):
     window: int | None = Field(None, gt=0, le=MAX_POSITIONS)
     leaky_k: float = Field(16.0, ge=1.0, le=MAX_LEAKY_K)
     beta: float = Field(0.625, ge=0.0, le=1.0)
+    group: int = Field(8, ge=1, le=SELF_EXTEND_GROUPS[-1])
     log_n: StrictBool = False
 
     @field_validator("window")
@@ -70,6 +76,13 @@ class ExtensionSettings(BaseModel):
         if window is not None and train_length is not None and window >= train_length:
             raise ValueError(f"must be smaller than train_length ({train_length}), got {window}")
         return window
+
+    @field_validator("group")
+    @classmethod
+    def _group_a_power_of_two(cls, group: int) -> int:
+        if group not in SELF_EXTEND_GROUPS:
+            raise ValueError(f"must be one of {', '.join(map(str, SELF_EXTEND_GROUPS))} (a power of two), got {group}")
+        return group
 
     @model_validator(mode="after")
     def _default_window(self) -> "ExtensionSettings":
@@ -123,6 +136,24 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
         raise SettingsError(field, _readable(first)) from None
 
 
+def length_factor(total_tokens: int, train_length: int) -> float:
+    """The factor a request of ``total_tokens`` (prompt + completion) needs: ``max(1, total / L)``;
+    1 inside the training length, where every frequency method is then plain RoPE."""
+    return max(1.0, total_tokens / train_length)
+
+
+def with_factor_resolved(fields: dict[str, Any], total_tokens: int, defaults: ExtensionSettings) -> dict[str, Any]:
+    """``fields`` with ``factor: "auto"`` replaced by :func:`length_factor` at the request's
+    training length (its own ``train_length``, else the defaults'). What the engine runs, the
+    response reports and the prefix cache is salted by is that number, never "auto"."""
+    if not isinstance(fields, dict) or fields.get("factor") != AUTO:
+        return fields
+    train_length = fields.get("train_length", defaults.train_length)
+    if type(train_length) is not int or not 1 < train_length <= MAX_POSITIONS:
+        return {name: value for name, value in fields.items() if name != "factor"}  # train_length's error is the one
+    return {**fields, "factor": length_factor(total_tokens, train_length)}
+
+
 def request_fields(params: Any) -> dict[str, Any] | None:
     """A request's own (partial) settings, from its ``SamplingParams``."""
     return (params.extra_args or {}).get(EXTRA_ARGS_KEY)
@@ -145,6 +176,8 @@ def _readable(error: dict[str, Any]) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         return f"unknown field; known fields are {', '.join(ExtensionSettings.model_fields)}"
+    if error["loc"] == ("factor",) and error["type"] == "float_type":
+        return f"must be a number from 1 to 1024 or {AUTO!r} (got {_shown(error.get('input'))})"
     if error["type"] == "literal_error":
         return f"unknown method {_shown(error['input'])}; choose one of {', '.join(METHOD_NAMES)}"
     return f"{message} (got {_shown(error.get('input'))})" if "input" in error and error["type"] != "value_error" else message

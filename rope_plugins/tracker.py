@@ -54,13 +54,15 @@ class RowValues:
     leak: float  # ρ: 0 ReRoPE, 1/k Leaky ReRoPE, 1 the frequency methods
     log_n_length: float  # the training length log-n divides by; 0 when log-n is off
     query_factor: float  # on the query: the method's own (YaRN's temperature) x the checkpoint's
+    group: int  # g: far positions floored to groups of g (Self-Extend); 0 keeps them continuous
 
 
 def row_values(settings: ExtensionSettings, rotary: CheckpointRotary) -> RowValues:
     method = method_of(settings)
     return RowValues(theta=inv_freq(settings, rotary), window=method.window(settings), leak=method.leak(settings),
                      log_n_length=float(settings.train_length) if settings.log_n else 0.0,
-                     query_factor=method.query_factor(settings) * rotary.attention_factor**2)
+                     query_factor=method.query_factor(settings) * rotary.attention_factor**2,
+                     group=method.group(settings))
 
 
 # Distinct settings seen by a worker: each costs a few hundred bytes; a bounded cache keeps a
@@ -83,9 +85,10 @@ class RowTables:
         self.leak = torch.ones(rows, dtype=torch.float64)
         self.log_n_length = torch.zeros(rows, dtype=torch.float64)
         self.query_factor = torch.ones(rows, dtype=torch.float64)
+        self.group = torch.zeros(rows, dtype=torch.int64)
 
     def _tables(self) -> tuple[torch.Tensor, ...]:
-        return self.theta, self.window, self.leak, self.log_n_length, self.query_factor  # RowValues' order
+        return self.theta, self.window, self.leak, self.log_n_length, self.query_factor, self.group  # RowValues' order
 
     def write(self, row: int, values: RowValues) -> None:
         for table, field in zip(self._tables(), fields(values)):
@@ -102,7 +105,7 @@ class RowTables:
     def gather(self, rows: torch.Tensor) -> RowTables:
         """A copy holding ``rows``, in that order."""
         taken = copy.copy(self)
-        taken.theta, taken.window, taken.leak, taken.log_n_length, taken.query_factor = (
+        taken.theta, taken.window, taken.leak, taken.log_n_length, taken.query_factor, taken.group = (
             table[rows] for table in self._tables())
         return taken
 

@@ -14,12 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from rope_plugins.settings import METHOD_NAMES
+from rope_plugins.settings import AUTO, METHOD_NAMES
 
 from .models import DEFAULT_MODEL, MODELS
 
 ENV_PREFIX = "ROPE_EXTEND_"
-AUTO = "auto"
 
 
 class ServerConfig(BaseModel):
@@ -41,9 +40,12 @@ class ServerConfig(BaseModel):
     auto_log_n: bool = Field(True, description="log-n query scaling when 'auto' goes past the training length "
                                                "(unless the request sets log_n)")
     window: int | None = Field(None, description="default ReRoPE window (default: training length / 4)")
-    factor: float | None = Field(None, description="default scale factor of the frequency methods")
+    factor: float | Literal["auto"] | None = Field(
+        None, description="default scale factor of the frequency methods; 'auto' sizes it to each request: "
+                          "max(1, (prompt + max_tokens) / training length)")
     leaky_k: float | None = Field(None, description="default Leaky ReRoPE slope divisor")
     beta: float | None = Field(None, description="default ntk_mixed exponent")
+    group: int | None = Field(None, description="default Self-Extend group size")
     log_n: bool = Field(False, description="default log-n query scaling")
     dtype: str = Field("float32", description="model dtype (bfloat16 answers correctly too for the provisioned models)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
@@ -80,7 +82,7 @@ class ServerConfig(BaseModel):
     def extension_defaults(self) -> dict[str, Any]:
         """The request defaults given by the flags (``method`` may be 'auto')."""
         fields = {"method": self.method, "log_n": self.log_n}
-        for name in ("window", "factor", "leaky_k", "beta"):
+        for name in ("window", "factor", "leaky_k", "beta", "group"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         return fields

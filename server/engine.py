@@ -21,7 +21,8 @@ from vllm.sampling_params import RequestOutputKind
 
 from rope_plugins.checkpoint import CheckpointRotary, checkpoint_rotary
 from rope_plugins.engine import engine_kwargs, extension_request
-from rope_plugins.settings import ExtensionSettings, SettingsError, engine_defaults, parse_settings
+from rope_plugins.settings import (ExtensionSettings, SettingsError, engine_defaults, parse_settings,
+                                   with_factor_resolved)
 
 from .config import AUTO, ServerConfig
 from .errors import (bad_request, context_length_exceeded, engine_refusal, engine_unavailable, invalid_settings,
@@ -99,7 +100,9 @@ class EngineService:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         config = self.config
-        engine_default = {k: v for k, v in config.extension_defaults().items() if k != "method"}
+        # the engine's own default factor stays a number: the server resolves 'auto' for every request
+        engine_default = {k: v for k, v in config.extension_defaults().items()
+                          if k != "method" and not (k == "factor" and v == AUTO)}
         engine_default["method"] = config.auto_method if config.method == AUTO else config.method
         if engine_default["method"] in ("none",) and not config.log_n:
             engine_default["method"] = "rerope"  # the engine serves past the training length; requests choose
@@ -194,8 +197,10 @@ class EngineService:
     def resolve_settings(self, fields: dict[str, Any], prompt_tokens: int, max_tokens: int) -> ExtensionSettings:
         """The request's settings: server defaults overridden by ``fields``; ``auto`` becomes
         plain RoPE while prompt + completion fit the training length, ``auto_method`` beyond
-        (with log-n query scaling under ``auto_log_n``, unless the request sets ``log_n``)."""
+        (with log-n query scaling under ``auto_log_n``, unless the request sets ``log_n``); a
+        ``factor`` of ``auto`` becomes what prompt + completion need (:func:`length_factor`)."""
         merged = {**self.config.extension_defaults(), **fields}
+        merged = with_factor_resolved(merged, prompt_tokens + max_tokens, self.defaults)
         if merged.get("method") == AUTO:
             train_length = merged.get("train_length", self.train_length)
             fits = isinstance(train_length, int) and prompt_tokens + max_tokens <= train_length

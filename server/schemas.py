@@ -60,10 +60,12 @@ class ContextExtension(BaseModel):
     # typed and range-checked in one place, ExtensionSettings (strict: log_n must be a bool);
     # the schema documents what it accepts
     method: Annotated[Any, WithJsonSchema({"enum": ["auto", *METHOD_NAMES]})] = None
-    factor: Annotated[Any, settings_field_schema("factor")] = None
+    factor: Annotated[Any, WithJsonSchema({"anyOf": [settings_field_schema("factor").json_schema, {"const": "auto"}],
+                                           "description": "'auto': max(1, (prompt + max_tokens) / train_length)"})] = None
     window: Annotated[Any, settings_field_schema("window", description="smaller than train_length")] = None
     leaky_k: Annotated[Any, settings_field_schema("leaky_k")] = None
     beta: Annotated[Any, settings_field_schema("beta")] = None
+    group: Annotated[Any, settings_field_schema("group", description="Self-Extend's group size: 1, 2, 4, ... 64")] = None
     log_n: Annotated[Any, settings_field_schema("log_n")] = None
     train_length: Annotated[Any, settings_field_schema(
         "train_length", description="at most the longer of the served context and the checkpoint's training length")] = None

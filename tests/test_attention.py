@@ -44,6 +44,12 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="ntk_old", factor=8.0, train_length=TRAIN), 99, 1),
     (ExtensionSettings(method="ntk_fixed", factor=4.0, log_n=True, train_length=TRAIN), 180, 1),
     (ExtensionSettings(method="yarn", factor=4.0, train_length=TRAIN), 260, 1),
+    # Self-Extend: grouped far positions in decode (past a 512-key chunk; groups as large as the
+    # decode kernel's 64-key step) and in prefill, from a cached context and from the start
+    (ExtensionSettings(method="self_extend", window=20, group=4, log_n=True, train_length=TRAIN), 300, 1),
+    (ExtensionSettings(method="self_extend", window=16, group=64, train_length=TRAIN), 700, 1),
+    (ExtensionSettings(method="self_extend", window=24, group=8, train_length=TRAIN), 50, 70),
+    (ExtensionSettings(method="self_extend", window=10, group=2, log_n=True, train_length=TRAIN), 0, 90),
 ]
 PREFILL_TILE = 8
 

@@ -25,7 +25,14 @@ def test_environment_variables_fill_in_and_flags_win():
     assert config.extension_defaults() == {"method": "leaky_rerope", "log_n": True, "window": 1024}
 
 
-@pytest.mark.parametrize("argv", [["--method", "warp"], ["--port", "eighty"], ["--auto-method", "auto"]])
+def test_the_default_factor_is_a_number_or_auto():
+    assert parse_config(["--factor", "auto", "--group", "16"], environ={}).extension_defaults() == {
+        "method": "auto", "log_n": False, "factor": "auto", "group": 16}
+    assert parse_config([], environ={env_name("factor"): "2.5"}).factor == 2.5
+
+
+@pytest.mark.parametrize("argv", [["--method", "warp"], ["--port", "eighty"], ["--auto-method", "auto"],
+                                  ["--factor", "huge"]])
 def test_a_bad_flag_value_exits_naming_it(argv, capsys):
     with pytest.raises(SystemExit):
         parse_config(argv, environ={})

@@ -13,7 +13,8 @@ from rope_plugins.ops import gpu
 from rope_plugins.planner import KEY_TILE, kernel_plan
 from rope_plugins.settings import METHOD_NAMES, ExtensionSettings
 
-WINDOWED = {"rerope": dict(window=37), "leaky_rerope": dict(window=20, leaky_k=4.0)}
+WINDOWED = {"rerope": dict(window=37), "leaky_rerope": dict(window=20, leaky_k=4.0),
+            "self_extend": dict(window=20, group=4)}
 FACTORS = {"pi": 4.0, "ntk_old": 8.0, "ntk_fixed": 4.0, "ntk_mixed": 4.0, "yarn": 4.0}
 
 
@@ -41,6 +42,7 @@ MIXED_ROWS = [
     (settings("yarn", True, factor=2.0), 20, 35),
     (settings("leaky_rerope", False, window=24, leaky_k=8.0), 100, 1),
     (settings("none", False), 0, 18),
+    (settings("self_extend", True, window=12, group=8), 40, 30),
 ]
 
 

@@ -33,6 +33,8 @@ METHODS = [
     {"method": "rerope", "window": 64, "log_n": True},
     {"method": "leaky_rerope", "window": 37, "leaky_k": 8.0},
     {"method": "leaky_rerope", "window": 50, "leaky_k": 3.0, "log_n": True},
+    {"method": "self_extend", "window": 37, "group": 4},
+    {"method": "self_extend", "window": 50, "group": 8, "log_n": True},
 ]
 
 
@@ -107,7 +109,7 @@ def test_all_methods_mixed_in_one_batch(full_engine, reference_model, engine_def
 
 
 def test_chunked_prefill_matches_one_full_prefill(full_engine, chunked_engine, reference_model, engine_defaults):
-    chosen = [METHODS[0], METHODS[5], METHODS[8], METHODS[9], METHODS[12]]
+    chosen = [METHODS[0], METHODS[5], METHODS[8], METHODS[9], METHODS[12], METHODS[14]]
     requests = [(prompt(200 + i), fields) for i, fields in enumerate(chosen)]
     chunked = run(chunked_engine, requests, engine_defaults)
     full = run(full_engine, requests, engine_defaults)
@@ -127,6 +129,31 @@ def test_triton_kernels_in_the_engine_match_the_oracle_and_the_cpu_ops(triton_en
         assert_matches_oracle(result, ids, fields, reference_model, engine_defaults)
         assert_close_logprobs(result.prompt_logprobs, cpu_result.prompt_logprobs, f"{fields} triton vs cpu ops")
         assert result.tokens == cpu_result.tokens
+
+
+FREQUENCY_METHODS = ["pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn"]
+
+
+def test_auto_factor_is_plain_rope_inside_training_and_sized_to_the_request_past_it(full_engine, reference_model,
+                                                                                   engine_defaults):
+    """``factor: "auto"``: inside the training length every frequency method is plain RoPE (the
+    oracle's ``none``); past it, the method at ``(prompt + max_tokens) / train_length``, which is
+    what the request's settings (and so its cache salt) carry."""
+    from vllm import SamplingParams
+
+    from rope_plugins.engine import extension_request
+
+    train = engine_defaults.train_length
+    inside, past = prompt(800, train - NEW_TOKENS - 40), prompt(801)
+    requests = [(ids, {"method": method, "factor": "auto"}) for method in FREQUENCY_METHODS for ids in (inside, past)]
+    results = run(full_engine, requests, engine_defaults)
+    for result, (ids, fields) in zip(results, requests):
+        factor = (len(ids) + NEW_TOKENS) / train if ids is past else 1.0
+        _, _, settings = extension_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=NEW_TOKENS), fields,
+                                           engine_defaults)
+        assert settings.factor == factor
+        expected = {"method": "none"} if ids is inside else {"method": fields["method"], "factor": factor}
+        assert_matches_oracle(result, ids, expected, reference_model, engine_defaults)
 
 
 @pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine", "triton_engine"])

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rope_plugins.reference import plain_rope_attention, reference_attention
+from rope_plugins.reference import oracle_relative_position, plain_rope_attention, reference_attention
 from rope_plugins.settings import MAX_LEAKY_K, ExtensionSettings
 
 BASE = 10000.0
@@ -104,12 +104,66 @@ def test_rerope_by_hand_three_tokens():
     assert out[0, 0].tolist() == pytest.approx([1.0, 0.0])  # the first token sees only itself
 
 
-@pytest.mark.parametrize("method", ["rerope", "leaky_rerope", "yarn"])
+def longlm_self_extend(q, k, v, *, window, group, base=BASE):
+    """Self-Extend as LongLM's reference code computes it (self_extend_patch/Llama.py, prefill,
+    bsz 1): q and k rotated twice, the neighbour pair by their own positions, the grouped pair by
+    ``m // g + w - w // g`` and ``n // g``; two full score matrices, the neighbour one kept where
+    ``0 <= m - n < w``. Written from that definition, sharing nothing with the oracle's code."""
+    seq_len, heads, d = q.shape
+    group_of_heads = heads // k.shape[1]
+    theta = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
+
+    def rotated(x, positions):  # rotate_half style, as transformers' Llama does
+        angle = torch.cat((positions[:, None] * theta, positions[:, None] * theta), dim=-1)[:, None, :]
+        halves = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+        return x * angle.cos() + halves * angle.sin()
+
+    position = torch.arange(seq_len, dtype=torch.float64)
+    group_query = torch.div(position, group, rounding_mode="floor") + window - window // group
+    group_key = torch.div(position, group, rounding_mode="floor")
+    k, v = k.repeat_interleave(group_of_heads, dim=1), v.repeat_interleave(group_of_heads, dim=1)
+    neighbour = torch.einsum("mhd,nhd->hmn", rotated(q, position), rotated(k, position))
+    grouped = torch.einsum("mhd,nhd->hmn", rotated(q, group_query), rotated(k, group_key))
+    distance = position[:, None] - position[None, :]
+    scores = torch.where(distance < window, neighbour, grouped) / math.sqrt(d)
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", scores.softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("window,group", [(6, 4), (5, 2), (7, 8), (1, 16)])
+def test_self_extend_is_longlms_definition(window, group):
+    q, k, v = random_qkv(seq_len=60)
+    expected = longlm_self_extend(q, k, v, window=window, group=group)
+    assert torch.allclose(oracle("self_extend", q, k, v, window=window, group=group), expected, atol=1e-12)
+
+
+def test_self_extend_limits():
+    """Group 1 and a window past the sequence are plain RoPE; otherwise it differs from Leaky
+    ReRoPE at the same slope (positions floored) and from plain RoPE."""
+    q, k, v = random_qkv(seq_len=40)
+    plain = oracle("none", q, k, v)
+    assert torch.allclose(oracle("self_extend", q, k, v, window=6, group=1), plain, atol=1e-12)
+    assert torch.allclose(oracle("self_extend", q, k, v, window=40, group=8), plain, atol=1e-12)
+    grouped = oracle("self_extend", q, k, v, window=6, group=4)
+    assert not torch.allclose(grouped, plain, atol=1e-6)
+    assert not torch.allclose(grouped, oracle("leaky_rerope", q, k, v, window=6, leaky_k=4.0), atol=1e-6)
+
+
+def test_self_extend_positions_by_hand():
+    """Window 6, group 4: the query at 20 sees key 3 at 20 // 4 + 6 - 6 // 4 - 3 // 4 = 10, key 15
+    (distance 5 < 6) at 5, key 14 at 5 + 6 - 1 - 3 = 7."""
+    settings = ExtensionSettings(method="self_extend", window=6, group=4, train_length=64)
+    got = oracle_relative_position(settings, torch.tensor(20), torch.tensor([3, 15, 14, 20]))
+    assert got.tolist() == [10.0, 5.0, 7.0, 0.0]
+
+
+@pytest.mark.parametrize("method", ["rerope", "leaky_rerope", "yarn", "self_extend"])
 def test_chosen_query_rows_are_those_rows_of_the_whole_answer(method):
     """``query_rows``: only those rows computed (in any order, chunked), each equal to its row
     of the whole sequence's answer; the keys are still every earlier one."""
     q, k, v = random_qkv(seq_len=50)
-    fields = {"rerope": dict(window=7), "leaky_rerope": dict(window=5, leaky_k=3.0), "yarn": dict(factor=4.0)}[method]
+    fields = {"rerope": dict(window=7), "leaky_rerope": dict(window=5, leaky_k=3.0), "yarn": dict(factor=4.0),
+              "self_extend": dict(window=6, group=4)}[method]
     settings = ExtensionSettings(method=method, log_n=True, train_length=16, **fields)
     whole = reference_attention(q, k, v, settings, base=BASE)
     rows = torch.tensor([49, 0, 17, 48, 30])

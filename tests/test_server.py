@@ -181,6 +181,19 @@ def test_auto_is_plain_rope_inside_the_training_length_and_the_extension_beyond(
     assert json.loads(without.headers["x-context-extension"]) == {"method": "rerope", "window": 16}
 
 
+def test_auto_factor_is_sized_to_the_request_and_reported(client):
+    """``factor: "auto"`` is resolved at admission: 1 inside the training length, (prompt +
+    max_tokens) / train_length past it; the applied number is what the header reports."""
+    inside = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"context_extension": {"method": "yarn", "factor": "auto"}})
+    assert json.loads(inside.headers["x-context-extension"]) == {"method": "yarn", "factor": 1.0, "train_length": 8192}
+    beyond = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hello " * 40, max_tokens=24,
+        extra_body={"context_extension": {"method": "ntk_mixed", "factor": "auto", "train_length": 32}})
+    applied, usage = json.loads(beyond.headers["x-context-extension"]), beyond.parse().usage
+    assert applied["factor"] == (usage.prompt_tokens + 24) / 32 and applied["method"] == "ntk_mixed"
+
+
 def test_models_health_version_metrics_tokenize(server, client):
     card = client.models.list().data[0]
     assert card.id == MODEL and card.model_extra["max_model_len"] == 4096 and card.model_extra["train_length"] == 8192
@@ -222,6 +235,8 @@ def post(server, path, body, key=API_KEY):
     ({"method": "ntk_mixed", "factor": 0.5}, "context_extension.factor"),
     ({"method": "rerope", "log_n": "yes"}, "context_extension.log_n"),
     ({"method": "rerope", "colour": 1}, "context_extension.colour"),
+    ({"method": "pi", "factor": "AUTO"}, "context_extension.factor"),
+    ({"method": "self_extend", "group": 3}, "context_extension.group"),
 ])
 def test_bad_extension_field_is_a_400_naming_it(server, client, extension, param):
     with Concurrently(client):

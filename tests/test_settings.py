@@ -73,3 +73,46 @@ def test_canonical_hash_separates_different_computations(a, b):
 def test_settings_are_immutable():
     with pytest.raises(Exception):
         DEFAULTS.window = 5
+
+
+def test_length_factor_is_one_inside_training_and_the_ratio_past_it():
+    from rope_plugins.settings import length_factor
+
+    assert length_factor(100, 8192) == 1.0 and length_factor(8192, 8192) == 1.0
+    assert length_factor(20000, 8192) == 20000 / 8192
+
+
+def test_auto_factor_resolves_at_the_requests_training_length():
+    from rope_plugins.settings import with_factor_resolved
+
+    fields = {"method": "yarn", "factor": "auto"}
+    assert with_factor_resolved(fields, 4000, DEFAULTS)["factor"] == 1.0
+    assert with_factor_resolved(fields, 16384, DEFAULTS)["factor"] == 2.0
+    assert with_factor_resolved({**fields, "train_length": 4096}, 16384, DEFAULTS)["factor"] == 4.0
+    assert with_factor_resolved({"method": "pi", "factor": 3.0}, 16384, DEFAULTS)["factor"] == 3.0  # a number stays
+    # a bad train_length is that field's error, not a division
+    bad = with_factor_resolved({**fields, "train_length": 0}, 16384, DEFAULTS)
+    with pytest.raises(SettingsError) as error:
+        parse_settings(bad, DEFAULTS)
+    assert error.value.field == "train_length"
+
+
+def test_a_factor_that_is_neither_a_number_nor_auto_names_both():
+    with pytest.raises(SettingsError) as error:
+        parse_settings({"method": "pi", "factor": "AUTO"}, DEFAULTS)
+    assert error.value.field == "factor" and "'auto'" in error.value.reason
+
+
+@pytest.mark.parametrize("group", [0, 3, 12, 128, 2.0, True, "8"])
+def test_self_extend_group_is_a_power_of_two_up_to_64(group):
+    with pytest.raises(SettingsError) as error:
+        parse_settings({"method": "self_extend", "group": group}, DEFAULTS)
+    assert error.value.field == "group"
+
+
+def test_self_extend_hash_covers_window_and_group_only():
+    base = parse_settings({"method": "self_extend", "group": 4}, DEFAULTS)
+    assert base.canonical() == {"method": "self_extend", "window": 2048, "group": 4}
+    assert base.canonical_hash() != parse_settings({"method": "self_extend", "group": 8}, DEFAULTS).canonical_hash()
+    assert base.canonical_hash() == parse_settings({"method": "self_extend", "group": 4, "leaky_k": 3.0},
+                                                   DEFAULTS).canonical_hash()

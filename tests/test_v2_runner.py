@@ -17,7 +17,8 @@ from v2_harness import v2_engine as start_v2_engine
 # Triton kernels under the interpreter (V2 with them is the GPU configuration)
 ATTENTION_OPS = ["cpu", "triton"]
 MIXED = [{"method": "rerope", "window": 37}, {"method": "leaky_rerope", "window": 50, "leaky_k": 3.0, "log_n": True},
-         {"method": "yarn", "factor": 4.0}, {"method": "ntk_mixed", "factor": 4.0}, {"method": "none"}]
+         {"method": "yarn", "factor": 4.0}, {"method": "ntk_mixed", "factor": 4.0}, {"method": "none"},
+         {"method": "self_extend", "window": 40, "group": 4}]
 
 
 @pytest.fixture(scope="module", params=ATTENTION_OPS)

@@ -1,7 +1,8 @@
 """The attention's Triton kernels on the pre-rotation paged cache (vLLM's CUDA build).
 
-Each row's rule comes as numbers, not tables: its frequencies ``θ`` (float64), window ``w``
-and leak ``ρ``, and every query token's scale (log-n x the method's factor). Angles are
+Each row's rule comes as numbers, not tables: its frequencies ``θ`` (float64), window ``w``,
+leak ``ρ`` and group ``g`` (Self-Extend's far positions floored to groups; 0: none), and every
+query token's scale (log-n x the method's factor). Angles are
 formed in float64 inside the kernels (position x θ, reduced to ``[-π, π]``) and only then
 cast, so positions far past training keep the float64 oracle's accuracy without a cos/sin
 table as large as the cache.
@@ -11,7 +12,7 @@ table as large as the cache.
   tiles up to the causal edge. A tile wholly inside the window (``m - n < w`` for every pair)
   scores the query at ``m θ`` against keys rotated on load to ``n θ``; a tile wholly beyond
   it scores the query at its far angle ``(w + (m - w) ρ) θ`` against keys read raw (ReRoPE)
-  or rotated to ``n ρ θ``; a straddling tile computes both and picks per element. No
+  or rotated to ``n ρ θ`` (grouped: ``(⌊m/g⌋ + w - ⌊w/g⌋) θ`` against ``⌊n/g⌋ θ``); a straddling tile computes both and picks per element. No
   log-sum-exp merge, one read of the keys.
 - :func:`decode`: split-K over the paged cache, one program per (decode row, KV head, split)
   serving the KV head's query heads together (one read of K and V for the group), then a
@@ -44,11 +45,21 @@ def rotate_pair(first, second, position, theta):
 
 
 @triton.jit
-def far_keys(first, second, key_position, leak, theta):
-    """Keys at their far angle ``n ρ θ``; read raw under ReRoPE (``ρ = 0``)."""
+def far_query_position(position, window, leak, group):
+    """Where a query stands for its far keys: ``w + (m - w) ρ``; grouped ``⌊m/g⌋ + w - ⌊w/g⌋``."""
+    groups = tl.maximum(group, 1)
+    grouped = (position // groups + window - window // groups).to(tl.float64)
+    return tl.where(group > 0, grouped, window + (position - window).to(tl.float64) * leak)
+
+
+@triton.jit
+def far_keys(first, second, key_position, leak, group, theta):
+    """Keys at their far angle ``n ρ θ`` (grouped: ``⌊n/g⌋ θ``); read raw under ReRoPE (``ρ = 0``)."""
     far_first, far_second = first, second
     if leak != 0.0:
-        far_first, far_second = rotate_pair(first, second, key_position.to(tl.float64) * leak, theta)
+        groups = tl.maximum(group, 1)
+        position = tl.where(group > 0, (key_position // groups).to(tl.float64), key_position.to(tl.float64) * leak)
+        far_first, far_second = rotate_pair(first, second, position, theta)
     return far_first, far_second
 
 
@@ -101,7 +112,8 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, 
 
 @triton.jit
 def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, theta_ptr,
-                   window_ptr, leak_ptr, log_n_length_ptr, query_factor_ptr, tile_row_ptr, tile_start_ptr, softmax_scale,
+                   window_ptr, leak_ptr, log_n_length_ptr, query_factor_ptr, group_ptr, tile_row_ptr, tile_start_ptr,
+                   softmax_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt,
                    stride_theta, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                    HALF_PAD: tl.constexpr, QUERY_TILE: tl.constexpr, KEY_TILE: tl.constexpr,
@@ -117,6 +129,7 @@ def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_p
     context = seq_len - chunk
     window = tl.load(window_ptr + row)
     leak = tl.load(leak_ptr + row)
+    group = tl.load(group_ptr + row)
 
     pairs = tl.arange(0, HALF_PAD)
     in_half = pairs < HALF
@@ -131,8 +144,7 @@ def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_p
     first = tl.load(query_at, mask=query_mask, other=0.0).to(tl.float32) * scale[:, None]
     second = tl.load(query_at + HALF, mask=query_mask, other=0.0).to(tl.float32) * scale[:, None]
     near_first, near_second = rotate_pair(first, second, query_position.to(tl.float64), theta)
-    far_position = window + (query_position - window).to(tl.float64) * leak
-    far_first, far_second = rotate_pair(first, second, far_position, theta)
+    far_first, far_second = rotate_pair(first, second, far_query_position(query_position, window, leak, group), theta)
     dot_type = query_ptr.dtype.element_ty
     near_first, near_second = near_first.to(dot_type), near_second.to(dot_type)
     far_first, far_second = far_first.to(dot_type), far_second.to(dot_type)
@@ -160,7 +172,7 @@ def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_p
             near_scores += tl.dot(near_second, tl.trans(rotated_second.to(dot_type)), input_precision=PRECISION)
             scores = tl.where(near, near_scores, scores)
         if last_query - first_key >= window:  # some pair is far
-            far_key_first, far_key_second = far_keys(key_first, key_second, key_position, leak, theta)
+            far_key_first, far_key_second = far_keys(key_first, key_second, key_position, leak, group, theta)
             far_scores = tl.dot(far_first, tl.trans(far_key_first.to(dot_type)), input_precision=PRECISION)
             far_scores += tl.dot(far_second, tl.trans(far_key_second.to(dot_type)), input_precision=PRECISION)
             scores = tl.where(near, scores, far_scores)
@@ -185,7 +197,8 @@ def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_p
 
 @triton.jit
 def decode_split_kernel(partial_ptr, lse_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr,
-                        theta_ptr, window_ptr, leak_ptr, log_n_length_ptr, query_factor_ptr, decode_rows_ptr, softmax_scale,
+                        theta_ptr, window_ptr, leak_ptr, log_n_length_ptr, query_factor_ptr, group_ptr, decode_rows_ptr,
+                        softmax_scale,
                         split_keys, stride_qt, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_theta,
                         stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, BLOCK_SIZE: tl.constexpr,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
@@ -198,6 +211,7 @@ def decode_split_kernel(partial_ptr, lse_ptr, query_ptr, cache_ptr, block_table_
     seq_len = tl.load(seq_lens_ptr + row)
     window = tl.load(window_ptr + row)
     leak = tl.load(leak_ptr + row)
+    group = tl.load(group_ptr + row)
     position = seq_len - 1
 
     pairs = tl.arange(0, HALF_PAD)
@@ -212,7 +226,7 @@ def decode_split_kernel(partial_ptr, lse_ptr, query_ptr, cache_ptr, block_table_
     second = tl.load(query_at + HALF, mask=query_mask, other=0.0).to(tl.float32) * scale
     near_angle = tl.full([GROUP_PAD], position, tl.float64)
     near_first, near_second = rotate_pair(first, second, near_angle, theta)
-    far_angle = tl.full([GROUP_PAD], window + (position - window) * leak, tl.float64)
+    far_angle = tl.full([GROUP_PAD], far_query_position(position, window, leak, group), tl.float64)
     far_first, far_second = rotate_pair(first, second, far_angle, theta)
 
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -237,7 +251,7 @@ def decode_split_kernel(partial_ptr, lse_ptr, query_ptr, cache_ptr, block_table_
             near_scores += tl.sum(near_second[:, None, :] * rotated_second[None, :, :], axis=2)
             scores = tl.where(near[None, :], near_scores, scores)
         if position - first_key >= window:  # some key is far
-            far_key_first, far_key_second = far_keys(key_first, key_second, key_position, leak, theta)
+            far_key_first, far_key_second = far_keys(key_first, key_second, key_position, leak, group, theta)
             far_scores = tl.sum(far_first[:, None, :] * far_key_first[None, :, :], axis=2)
             far_scores += tl.sum(far_second[:, None, :] * far_key_second[None, :, :], axis=2)
             scores = tl.where(near[None, :], scores, far_scores)
@@ -303,7 +317,7 @@ def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, outpu
     heads, head = query.shape[1], query.shape[2]
     prefill_kernel[(tiles.row.numel(), heads)](
         output, query, kv_cache, plan.block_table, plan.query_start, plan.seq_lens, plan.theta, plan.window,
-        plan.leak, plan.log_n_length, plan.query_factor, tiles.row, tiles.start, scale, query.stride(0), query.stride(1),
+        plan.leak, plan.log_n_length, plan.query_factor, plan.group, tiles.row, tiles.start, scale, query.stride(0), query.stride(1),
         output.stride(0), output.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         plan.block_table.stride(0), plan.theta.stride(0), BLOCK_SIZE=kv_cache.shape[2],
         GROUP=heads // kv_cache.shape[1], HALF=head // 2, HALF_PAD=pairs_padded(head),
@@ -322,7 +336,7 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output
     lse = torch.empty(count, heads, rows.splits, dtype=torch.float32, device=query.device)
     decode_split_kernel[(count, kv_heads, rows.splits)](
         partial, lse, query, kv_cache, plan.block_table, plan.query_start, plan.seq_lens, plan.theta, plan.window,
-        plan.leak, plan.log_n_length, plan.query_factor, rows.row, scale, rows.split_keys, query.stride(0), query.stride(1),
+        plan.leak, plan.log_n_length, plan.query_factor, plan.group, rows.row, scale, rows.split_keys, query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), plan.block_table.stride(0), plan.theta.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_SIZE=kv_cache.shape[2], GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HALF=head // 2,
