@@ -15,6 +15,7 @@ base-bound: install
 	$(PY) bench/base_bound.py
 
 test: install
+	@./scripts/install_browser.sh
 	$(PY) -m pytest
 
 bench-speed: install

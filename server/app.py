@@ -26,7 +26,7 @@ from .config import ServerConfig
 from .engine import EngineService
 from .errors import install_error_handlers
 from .metrics import Metrics
-from .routes import chat, completions, models, system
+from .routes import chat, completions, models, playground, system
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ def create_app(config: ServerConfig, model: str) -> FastAPI:
     install_error_handlers(app)
     for router in (chat.router, completions.router, models.router, system.router):
         app.include_router(router)
+    if config.playground:
+        app.include_router(playground.router)
+        app.mount(playground.ASSETS_AT, playground.static_files(), name="playground")
     document_real_responses(app, service.model_name or Path(model).name)
     return app
 

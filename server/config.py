@@ -63,6 +63,7 @@ class ServerConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism: stages (nodes)")
     distributed_executor_backend: Literal["mp", "ray"] | None = Field(
         None, description="vLLM's workers: 'mp' (one node) or 'ray' (several nodes); default: vLLM's choice")
+    playground: bool = Field(True, description="serve the browser playground at / (--no-playground: the API alone)")
     log_prompts: bool = Field(False, description="log prompt text with each request line")
     log_level: str = Field("info", description="debug, info, warning, error")
 
