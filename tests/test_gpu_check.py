@@ -93,18 +93,27 @@ def test_a_failed_case_is_exit_status_1_with_the_report_written(tmp_path, monkey
     assert json.loads(out.read_text())["kernels"] == failed
 
 
-def test_a_kernel_given_a_wrong_leak_fails_the_rows_that_use_it(monkeypatch):
-    """The plan's leak ρ halved: ReRoPE (ρ = 0) is untouched, every other method is wrong."""
+def rows_wrong_under(monkeypatch, change) -> tuple[bool, set[str]]:
+    """Whether gpu_check passes, and the methods of its rows past tolerance, with every step's
+    kernel plan changed by ``change`` (plan -> plan)."""
     real_plan = planner.kernel_plan
-
-    def halved_leak(*args, **kwargs):
-        plan = real_plan(*args, **kwargs)
-        return dataclasses.replace(plan, leak=plan.leak * 0.5)
-
-    monkeypatch.setattr(planner, "kernel_plan", halved_leak)
+    monkeypatch.setattr(planner, "kernel_plan", lambda *args, **kwargs: change(real_plan(*args, **kwargs)))
     case = gpu_check.check_kernels(ONE_SHAPE, ["float32"], gpu_check.TOLERANCE, CPU)["cases"][0]
-    wrong = {row["settings"]["method"] for row in case["rows"] if row["relative_error"] > case["tolerance"]}
-    assert not case["passed"] and wrong == EVERY_METHOD - {"rerope"}
+    return case["passed"], {row["settings"]["method"] for row in case["rows"]
+                            if row["relative_error"] > case["tolerance"]}
+
+
+def test_a_kernel_given_a_wrong_leak_fails_the_rows_that_use_it(monkeypatch):
+    """The plan's leak ρ halved: ReRoPE (ρ = 0) is untouched, and so is Self-Extend (its far
+    positions come from its group); every other method is wrong."""
+    passed, wrong = rows_wrong_under(monkeypatch, lambda plan: dataclasses.replace(plan, leak=plan.leak * 0.5))
+    assert not passed and wrong == EVERY_METHOD - {"rerope", "self_extend"}
+
+
+def test_a_kernel_given_a_wrong_group_fails_only_the_grouped_rows(monkeypatch):
+    """The plan's group g doubled: only Self-Extend's rows are wrong (the others have none)."""
+    passed, wrong = rows_wrong_under(monkeypatch, lambda plan: dataclasses.replace(plan, group=plan.group * 2))
+    assert not passed and wrong == {"self_extend"}
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN slots read by the interpreter
