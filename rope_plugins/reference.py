@@ -10,8 +10,8 @@ equations for the NTK variants (seed 000, ``θ_m`` with ``m = 1 .. d/2``), posit
 interpolation's ``θ / k``, YaRN's NTK-by-parts as its reference code defines it (the ramp
 between the correction dimensions of 32 and 1 rotations) with the temperature
 ``sqrt(1/t) = 0.1 ln s + 1``, ReRoPE's and Leaky ReRoPE's positions (seed 003), Self-Extend's
-grouped positions (LongLM, Algorithm 1), log-n's ``max(1, log_L n)``; the rotation is the complex product. The tests compare PI and YaRN with
-transformers' own rope initialisation too.
+grouped positions (LongLM, Algorithm 1), log-n's ``max(1, log_L n)``; the rotation is the
+complex product. The tests compare PI and YaRN with transformers' own rope initialisation too.
 """
 
 from __future__ import annotations

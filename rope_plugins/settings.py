@@ -31,6 +31,8 @@ CONFIG_KEY = "rope_extension"  # hf_config attribute (set through hf_overrides):
 # The largest training length (and so window) a setting may name: past any context served
 # today, and small enough that every derived value fits the worker's int64 / float64 tables.
 MAX_POSITIONS = 1 << 24
+# The extension factor of the frequency methods.
+MIN_FACTOR, MAX_FACTOR = 1.0, 1024.0
 # Leaky ReRoPE's slope divisor: at 65536 the far keys are already flat (ReRoPE itself).
 MAX_LEAKY_K = 65536.0
 # Self-Extend's group sizes: powers of two up to 64, so that every 64-key step of the CPU decode
@@ -62,7 +64,7 @@ class ExtensionSettings(BaseModel):
 
     train_length: int = Field(..., gt=1, le=MAX_POSITIONS)  # declared first: window is checked against it
     method: MethodName = "none"
-    factor: float = Field(4.0, ge=1.0, le=1024.0)
+    factor: float = Field(4.0, ge=MIN_FACTOR, le=MAX_FACTOR)
     window: int | None = Field(None, gt=0, le=MAX_POSITIONS)
     leaky_k: float = Field(16.0, ge=1.0, le=MAX_LEAKY_K)
     beta: float = Field(0.625, ge=0.0, le=1.0)
@@ -177,7 +179,7 @@ def _readable(error: dict[str, Any]) -> str:
     if error["type"] == "extra_forbidden":
         return f"unknown field; known fields are {', '.join(ExtensionSettings.model_fields)}"
     if error["loc"] == ("factor",) and error["type"] == "float_type":
-        return f"must be a number from 1 to 1024 or {AUTO!r} (got {_shown(error.get('input'))})"
+        return f"must be a number from {MIN_FACTOR:g} to {MAX_FACTOR:g} or {AUTO!r} (got {_shown(error.get('input'))})"
     if error["type"] == "literal_error":
         return f"unknown method {_shown(error['input'])}; choose one of {', '.join(METHOD_NAMES)}"
     return f"{message} (got {_shown(error.get('input'))})" if "input" in error and error["type"] != "value_error" else message

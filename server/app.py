@@ -21,6 +21,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from .config import ServerConfig
 from .engine import EngineService
@@ -77,7 +78,7 @@ def create_app(config: ServerConfig, model: str) -> FastAPI:
         app.include_router(router)
     if config.playground:
         app.include_router(playground.router)
-        app.mount(playground.ASSETS_AT, playground.static_files(), name="playground")
+        app.mount(playground.ASSETS_AT, StaticFiles(directory=playground.PAGE), name="playground")
     document_real_responses(app, service.model_name or Path(model).name)
     return app
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from rope_plugins.settings import METHOD_NAMES, ExtensionSettings
+from rope_plugins.settings import METHOD_NAMES, SELF_EXTEND_GROUPS, ExtensionSettings
 
 # Bounds on what a request may ask for. Integers that reach the engine stay inside its int32
 # / int64 fields; lists and strings are bounded so that validation itself stays cheap.
@@ -65,7 +65,8 @@ class ContextExtension(BaseModel):
     window: Annotated[Any, settings_field_schema("window", description="smaller than train_length")] = None
     leaky_k: Annotated[Any, settings_field_schema("leaky_k")] = None
     beta: Annotated[Any, settings_field_schema("beta")] = None
-    group: Annotated[Any, settings_field_schema("group", description="Self-Extend's group size: 1, 2, 4, ... 64")] = None
+    group: Annotated[Any, settings_field_schema(
+        "group", description=f"Self-Extend's group size: one of {', '.join(map(str, SELF_EXTEND_GROUPS))}")] = None
     log_n: Annotated[Any, settings_field_schema("log_n")] = None
     train_length: Annotated[Any, settings_field_schema(
         "train_length", description="at most the longer of the served context and the checkpoint's training length")] = None

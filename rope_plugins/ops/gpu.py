@@ -12,8 +12,8 @@ table as large as the cache.
   tiles up to the causal edge. A tile wholly inside the window (``m - n < w`` for every pair)
   scores the query at ``m θ`` against keys rotated on load to ``n θ``; a tile wholly beyond
   it scores the query at its far angle ``(w + (m - w) ρ) θ`` against keys read raw (ReRoPE)
-  or rotated to ``n ρ θ`` (grouped: ``(⌊m/g⌋ + w - ⌊w/g⌋) θ`` against ``⌊n/g⌋ θ``); a straddling tile computes both and picks per element. No
-  log-sum-exp merge, one read of the keys.
+  or rotated to ``n ρ θ`` (grouped: ``(⌊m/g⌋ + w - ⌊w/g⌋) θ`` against ``⌊n/g⌋ θ``); a
+  straddling tile computes both and picks per element. No log-sum-exp merge, one read of the keys.
 - :func:`decode`: split-K over the paged cache, one program per (decode row, KV head, split)
   serving the KV head's query heads together (one read of K and V for the group), then a
   reduce over the splits by their log-sum-exps.
@@ -53,13 +53,18 @@ def far_query_position(position, window, leak, group):
 
 
 @triton.jit
+def far_key_position(key_position, leak, group):
+    """Where a key stands for far queries: ``n ρ``; grouped ``⌊n/g⌋``."""
+    grouped = (key_position // tl.maximum(group, 1)).to(tl.float64)
+    return tl.where(group > 0, grouped, key_position.to(tl.float64) * leak)
+
+
+@triton.jit
 def far_keys(first, second, key_position, leak, group, theta):
-    """Keys at their far angle ``n ρ θ`` (grouped: ``⌊n/g⌋ θ``); read raw under ReRoPE (``ρ = 0``)."""
+    """Keys at their far angle (:func:`far_key_position` x θ); read raw under ReRoPE (``ρ = 0``)."""
     far_first, far_second = first, second
     if leak != 0.0:
-        groups = tl.maximum(group, 1)
-        position = tl.where(group > 0, (key_position // groups).to(tl.float64), key_position.to(tl.float64) * leak)
-        far_first, far_second = rotate_pair(first, second, position, theta)
+        far_first, far_second = rotate_pair(first, second, far_key_position(key_position, leak, group), theta)
     return far_first, far_second
 
 

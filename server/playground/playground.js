@@ -57,9 +57,9 @@ async function* streamEvents(body) {
 
 // ---- errors, next to the field they name -------------------------------------------------
 
-function clearErrors(root = document) {
-  root.querySelectorAll(".field-error").forEach((line) => { line.textContent = ""; });
-  root.querySelectorAll(".invalid").forEach((input) => input.classList.remove("invalid"));
+function clearErrors() {
+  document.querySelectorAll(".field-error").forEach((line) => { line.textContent = ""; });
+  document.querySelectorAll(".invalid").forEach((input) => input.classList.remove("invalid"));
 }
 
 /** Show an API error where its `param` points: a column's setting, the document, max_tokens. */

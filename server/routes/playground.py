@@ -8,7 +8,6 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse
-from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from rope_plugins.methods import METHODS
@@ -41,7 +40,3 @@ async def setup(service: EngineService = Depends(get_service)) -> PlaygroundSetu
     config: ServerConfig = service.config
     methods = {AUTO: [], **{name: list(method.fields) for name, method in METHODS.items()}}
     return PlaygroundSetup(methods=methods, default_method=config.method)
-
-
-def static_files() -> StaticFiles:
-    return StaticFiles(directory=PAGE)
