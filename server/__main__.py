@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import EXIT_ENGINE_FAILED, create_app
 
-    logger.info("listening on http://%s:%d (the engine starts now; /health says when it is ready)",
-                config.host, config.port)
+    logger.info("listening on http://%s:%d (the engine starts now; /health says when it is ready)%s",
+                config.host, config.port, "; the playground is at /" if config.playground else "")
     app = create_app(config, model)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            access_log=False, timeout_graceful_shutdown=config.shutdown_timeout))
