@@ -44,7 +44,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope"]
+METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope", "self_extend",
+           "ntk_dynamic", "auto"]
+# the methods with a factor: each is measured at its fixed default and sized to the request (factor "auto")
+SIZED_METHODS = ["pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn"]
 TRAIN_LENGTH = 8192
 QUICK_LENGTH = 9216  # --quick: one length past training, loss and accuracy only
 SCORED_TOKENS = 4096
@@ -59,20 +62,49 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 
 
 def configs(methods: list[str], log_n_too: bool) -> list[dict]:
+    """Each method at its defaults, the frequency methods also with ``factor: "auto"``; with
+    ``log_n_too`` each of those again with log_n (but ``auto``, which decides log_n itself)."""
     grid = [{"method": m} for m in methods]
+    grid += [{"method": m, "factor": "auto"} for m in methods if m in SIZED_METHODS]
     if log_n_too:
-        grid += [{"method": m, "log_n": True} for m in methods]
+        grid += [{**s, "log_n": True} for s in grid if s["method"] != "auto"]
     return grid
 
 
 # the ablated setting of each method and its default (rope_plugins/settings.py)
-ABLATED = {"rerope": ("window", TRAIN_LENGTH // 4), "ntk_mixed": ("beta", 0.625)}
+ABLATED = {"rerope": ("window", TRAIN_LENGTH // 4), "leaky_rerope": ("window", TRAIN_LENGTH // 4),
+           "self_extend": ("group", 8), "ntk_mixed": ("beta", 0.625)}
 
 
 def ablations() -> list[dict]:
-    windows = [{"method": "rerope", "window": TRAIN_LENGTH // k} for k in (8, 2)]  # beside the default 1/4
+    windows = [{"method": m, "window": TRAIN_LENGTH // k} for m in ("rerope", "leaky_rerope")
+               for k in (8, 2)]  # beside the default 1/4
+    groups = [{"method": "self_extend", "group": g} for g in (4, 16)]  # beside the default 8
     betas = [{"method": "ntk_mixed", "beta": b} for b in (0.5, 0.75, 1.0)]
-    return windows + betas
+    return windows + groups + betas
+
+
+# Settings tried for `auto` past the training length (server/auto.py's rule comes from these),
+# each at 16k and 32k: wider windows than the default quarter, with log_n, which lowered
+# ReRoPE's and Leaky ReRoPE's loss at 32k in the main grid.
+AUTO_CANDIDATES = [
+    {"method": "rerope", "window": TRAIN_LENGTH // 2, "log_n": True},
+    {"method": "rerope", "window": TRAIN_LENGTH * 3 // 4, "log_n": True},
+    {"method": "leaky_rerope", "window": TRAIN_LENGTH // 2, "log_n": True},
+    {"method": "leaky_rerope", "window": TRAIN_LENGTH * 3 // 4, "log_n": True},
+    {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 8, "log_n": True},
+    {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 8},
+    {"method": "self_extend", "window": TRAIN_LENGTH // 4, "group": 16, "log_n": True},
+    # the window and group pairs that keep the far positions inside training at 16k or 32k
+    # (⌊m/g⌋ + w - ⌊w/g⌋ < L): a smaller group at 16k, a wider window at either
+    {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 4},
+    {"method": "self_extend", "window": TRAIN_LENGTH * 3 // 4, "group": 8},
+    {"method": "self_extend", "window": TRAIN_LENGTH * 3 // 4, "group": 16},
+]
+
+
+def is_candidate(settings: dict) -> bool:
+    return settings in AUTO_CANDIDATES
 
 
 def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, with_ablations: bool = True) -> list[tuple]:
@@ -80,7 +112,8 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
     run stopped early (the full grid takes long) has whole curves rather than
     every test of a few lengths.
 
-    Up to the first length past training: every loss and the ablations; then repeat and
+    The search for ``auto``'s setting past training first (its losses at every length past
+    training); up to the first length past training: every loss and the ablations; then repeat and
     passkey within training; the longer lengths' losses (without log_n, then with it); repeat
     and passkey at the first length past training; the rest. log_n multiplies queries by
     max(1, log n / log train): the identity up to the training length, where only its loss is
@@ -94,6 +127,9 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
     past = [n for n in short if n > TRAIN_LENGTH]
     long = [n for n in lengths if n > first_past]
     plain = [s for s in grid if not s.get("log_n")]
+    # a factor sized to the request is 1 within training: its rows there are the plain method's,
+    # so (as log_n's) only their loss is measured, as a check
+    unsized = [s for s in plain if s.get("factor") != "auto"]
     scaled = [s for s in grid if s.get("log_n")]
 
     def losses(group, settings_list):
@@ -108,8 +144,10 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
         return jobs
 
     ablation = [] if not (past and with_ablations) else [("loss", s, first_past) for s in ablations()]
-    return (losses(short, grid) + ablation + details(within, plain) + losses(long, plain) + losses(long, scaled)
-            + details(past, plain) + details(past, scaled) + details(long, plain) + details(long, scaled))
+    search = [] if not (past and with_ablations) else losses(past + long, AUTO_CANDIDATES)
+    return (search + losses(short, grid) + ablation + details(within, unsized) + losses(long, plain)
+            + losses(long, scaled) + details(past, plain) + details(past, scaled) + details(long, plain)
+            + details(long, scaled))
 
 
 def job_key(job: tuple) -> tuple:
@@ -287,8 +325,18 @@ def label_order(name: str) -> tuple:
     return METHODS.index(method_of(name)), name
 
 
+def line_style(name: str) -> str:
+    """Solid at the method's defaults, dashed with log_n, dotted with the factor sized to the
+    request, dash-dotted with both."""
+    return {(False, False): "-", (True, False): "--", (False, True): ":", (True, True): "-."}[
+        "log_n" in name, "factor=auto" in name]
+
+
 def is_ablation(row: dict) -> bool:
-    return bool(set(row["settings"]) - {"method", "log_n"})
+    """A setting varied away from its method's defaults (a factor sized to the request is a
+    main row: it is what the method does by default with `--factor auto`)."""
+    varied = set(row["settings"]) - {"method", "log_n"}
+    return bool(varied - ({"factor"} if row["settings"].get("factor") == "auto" else set()))
 
 
 def off_scale_limit(values: list[float]) -> float:
@@ -327,7 +375,7 @@ def plot(summary: dict, path: Path) -> None:
 
     rows = sorted(summary["rows"], key=lambda r: label_order(r["label"]))
     main = [r for r in rows if not is_ablation(r)]
-    ablation_length = min((r["length"] for r in rows if is_ablation(r)), default=None)
+    ablation_length = min((r["length"] for r in rows if is_ablation(r) and not is_candidate(r["settings"])), default=None)
     compared = ablation_rows(rows, ablation_length)
     panels = [(key, title) for key, title in PANELS if any(r.get(key) is not None for r in main)]
     lengths = sorted({r["length"] for r in main})
@@ -337,7 +385,7 @@ def plot(summary: dict, path: Path) -> None:
     figure, axes = plt.subplots(math.ceil(count / columns), columns, figsize=(5.5 * columns, 4.4 * math.ceil(count / columns)),
                                 squeeze=False)
     axes = list(axes.flat)
-    colours = dict(zip(METHODS, plt.cm.tab10.colors))
+    colours = dict(zip(METHODS, plt.cm.tab20.colors[0::2] + plt.cm.tab20.colors[1::2]))
 
     def bars(axis, shown, key, names):
         drawn = axis.bar(range(len(shown)), [r[key] for r in shown], color=[colours[method_of(r["label"])] for r in shown])
@@ -361,7 +409,7 @@ def plot(summary: dict, path: Path) -> None:
                 if not points:
                     continue
                 axis.plot(*zip(*[(n, min(v, top)) for n, v in points]), marker="o", color=colours[method_of(name)],
-                          label=name, linestyle="--" if "log_n" in name else "-")
+                          label=name, linestyle=line_style(name))
                 for n, v in points:
                     if v > top:  # drawn at the edge, the values listed under it
                         off_scale.setdefault(n, {}).setdefault(f"{v:.2f}", method_of(name))
@@ -388,7 +436,8 @@ def plot(summary: dict, path: Path) -> None:
         used += 1
     if lines:
         handles, names = axes[0].get_legend_handles_labels()
-        axes[used].legend(handles, names, loc="center", ncol=2, fontsize=9, title="method (dashed: with log_n)")
+        axes[used].legend(handles, names, loc="center", ncol=2, fontsize=8,
+                          title="method (dashed: with log_n; dotted: factor auto)")
     for axis in axes[used:]:
         axis.axis("off")
     figure.suptitle("SmolLM2-135M-Instruct (trained at 8,192 tokens): methods past the training length")
@@ -423,7 +472,8 @@ def markdown_table(summary: dict) -> str:
         if table:  # a profile without the test (--quick: no repeat, no passkey) prints no empty table
             header = "| method | " + " | ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths) + " |"
             out += [f"{title}:\n", header, "| --- |" + " --- |" * len(lengths), *table, ""]
-    for n in sorted({r["length"] for r in summary["rows"] if is_ablation(r)}):
+    out += search_table(summary)
+    for n in sorted({r["length"] for r in summary["rows"] if is_ablation(r) and not is_candidate(r["settings"])}):
         shown = ablation_rows(summary["rows"], n)
         out += [f"Ablations at {n:,} tokens (the method's default setting in bold):\n",
                 "| setting | loss | accuracy |", "| --- | --- | --- |"]
@@ -433,11 +483,37 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(out)
 
 
+def search_table(summary: dict) -> list[str]:
+    """The settings tried for ``auto`` past training, and ``auto`` itself, against the target:
+    plain RoPE's loss at the training length (on the same scored tokens) plus 0.01."""
+    by = {(r["label"], r["length"]): r for r in summary["rows"]}
+    lengths = sorted({r["length"] for r in summary["rows"] if is_candidate(r["settings"])})
+    if not lengths:
+        return []
+    names = [label(s) for s in AUTO_CANDIDATES] + ["auto"]
+    plain = by.get(("none", TRAIN_LENGTH), {}).get("nll")
+    target = "" if plain is None else (f" plain RoPE's loss at {length_name(TRAIN_LENGTH)} is {plain:.3f}, "
+                                       f"so the target is at most {plain + 0.01:.3f} and every passkey;")
+    out = [f"The search for `auto` past training ({target.strip()} the rule in server/auto.py):\n",
+           "| setting | " + " | ".join(f"loss {length_name(n)}" for n in lengths) + " | "
+           + " | ".join(f"passkeys {length_name(n)}" for n in lengths) + " |",
+           "| --- |" + " --- |" * (2 * len(lengths))]
+    for name in names:
+        rows = [by.get((name, n), {}) for n in lengths]
+        if not any(rows):
+            continue
+        losses = [f"{r['nll']:.3f}" if r.get("nll") is not None else "-" for r in rows]
+        keys = [f"{r['passkey_found']}/{r['passkey_trials']}" if r.get("passkey_trials") else "-" for r in rows]
+        out.append(f"| {name} | " + " | ".join(losses + keys) + " |")
+    return out + [""]
+
+
 def ablation_rows(rows: list[dict], length: int | None) -> list[dict]:
     """The ablations at ``length`` with their methods' default settings among them, each
     method's rows in the order of the varied value."""
     shown = [r for r in rows if r["length"] == length and not r["settings"].get("log_n")
-             and r["settings"]["method"] in ABLATED]
+             and r["settings"]["method"] in ABLATED and not is_candidate(r["settings"])
+             and (is_ablation(r) or r["label"] == r["settings"]["method"])]
     return sorted(shown, key=lambda r: (METHODS.index(r["settings"]["method"]), ablation_value(r)))
 
 

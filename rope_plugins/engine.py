@@ -18,7 +18,7 @@ from vllm import SamplingParams
 from .checkpoint import UnsupportedCheckpoint, checkpoint_rotary
 from .plugin import FAMILIES, extended_architecture
 from .settings import (AUTO, CONFIG_KEY, EXTRA_ARGS_KEY, ExtensionSettings, SettingsError, parse_settings,
-                       with_factor_resolved)
+                       positions_used, with_factor_resolved)
 from .tracker import RequestSettingsAdmission, RequestSettingsTracker
 
 
@@ -142,8 +142,8 @@ def extension_request(prompt: dict[str, Any], params: SamplingParams, fields: di
     if isinstance(fields, dict) and fields.get("factor") == AUTO:
         if "prompt_token_ids" not in prompt:
             raise SettingsError("factor", f"{AUTO!r} needs the prompt as token ids (prompt_token_ids) to size it")
-        total_tokens = len(prompt["prompt_token_ids"]) + (params.max_tokens or 0)
-        fields = with_factor_resolved(fields, total_tokens, defaults)
+        positions = positions_used(len(prompt["prompt_token_ids"]), params.max_tokens or 0)
+        fields = with_factor_resolved(fields, positions, defaults)
     settings = parse_settings(fields, defaults)
     params = params.clone()
     params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: settings.model_dump()}

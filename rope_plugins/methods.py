@@ -7,7 +7,9 @@ at ``n ρ``; with the method's frequencies ``θ`` and a factor on the query. Fre
 have no window (``w = 0, ρ = 1``) and change ``θ``; ReRoPE has ``ρ = 0`` (old keys read raw
 against one pre-rotated query) and Leaky ReRoPE ``ρ = 1/k``. Self-Extend (LongLM) groups
 positions: ``ρ = 1/g`` with each far position floored to its group, the far query at
-``⌊m/g⌋ + w - ⌊w/g⌋`` against the far key at ``⌊n/g⌋``.
+``⌊m/g⌋ + w - ⌊w/g⌋`` against the far key at ``⌊n/g⌋``. Dynamic NTK changes ``θ`` with the
+query's position: ``θ_i k^(-e_i)`` with ``k`` sized to the tokens the query has seen, applied to
+every key it reads (keys are cached unrotated, so each step's rotation is exact).
 
 Frequencies apply on top of the checkpoint's own table (:mod:`rope_plugins.checkpoint`):
 a method multiplies each pair of ``θ_ckpt`` by the factor it applies to plain RoPE at the
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .rotary import (
+    ntk_dynamic_exponent,
     ntk_fixed_inv_freq,
     ntk_mixed_inv_freq,
     ntk_old_inv_freq,
@@ -64,6 +67,10 @@ def _ungrouped(settings: ExtensionSettings) -> int:
     return 0
 
 
+def _fixed_factor(settings: ExtensionSettings, head_dim: int) -> torch.Tensor | None:
+    return None
+
+
 @dataclass(frozen=True)
 class ExtensionMethod:
     """One method: the settings fields it reads, and its rules as functions of the settings."""
@@ -77,6 +84,9 @@ class ExtensionMethod:
     query_factor: Callable[[ExtensionSettings], float] = _unit_query_factor  # on every query (before log-n)
     # g: far positions floored to whole groups of g (then ρ = 1/g); 0 keeps them continuous
     group: Callable[[ExtensionSettings], int] = _ungrouped
+    # a factor k that follows the length: θ_i k^(-e_i) at each query, with k from the tokens it
+    # has seen (rotary.dynamic_length); returns e, [d/2] float64, or None for a fixed θ
+    dynamic_exponent: Callable[[ExtensionSettings, int], torch.Tensor | None] = _fixed_factor
 
 
 METHODS: dict[str, ExtensionMethod] = {method.name: method for method in (
@@ -94,6 +104,8 @@ METHODS: dict[str, ExtensionMethod] = {method.name: method for method in (
     ExtensionMethod("leaky_rerope", ("window", "leaky_k"), window=lambda s: s.window, leak=lambda s: 1.0 / s.leaky_k),
     ExtensionMethod("self_extend", ("window", "group"), window=lambda s: s.window, leak=lambda s: 1.0 / s.group,
                     group=lambda s: s.group),
+    # its θ here is plain RoPE's, the factor 1 of every query within training
+    ExtensionMethod("ntk_dynamic", ("train_length",), dynamic_exponent=lambda s, d: ntk_dynamic_exponent(d)),
 )}
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .rotary import log_n_scale
+from .rotary import dynamic_length, log_n_scale
+from .settings import DYNAMIC_STEP
 from .tracker import RowTables
 
 PREFILL_TILE = 256  # queries per near-band tile in prefill (at most the window)
@@ -242,6 +243,13 @@ def kernel_plan(tables: RowTables, *, query_start_cpu: torch.Tensor, query_start
                 query_tile: int = QUERY_TILE, min_split_keys: int = MIN_SPLIT_KEYS) -> KernelPlan:
     """The step's :class:`KernelPlan`. ``tables`` row i is batch row i (CPU); the batch's
     tensors are on the device already; only the row starts are read on the host."""
+    if bool((tables.dynamic_length[: seq_lens.numel()] > 0).any()):  # only then seq_lens are read on the host
+        pieces = dynamic_sub_rows(tables, query_start_cpu[: seq_lens.numel() + 1].to(torch.int64),
+                                  seq_lens.to("cpu", torch.int64))
+        tables, query_start_cpu = pieces.tables, pieces.starts.to(query_start_cpu.dtype)
+        query_start = query_start_cpu.to(query_start.device)
+        seq_lens = pieces.seq_lens.to(seq_lens.device, seq_lens.dtype)
+        block_table = block_table[pieces.batch_row.to(block_table.device)]
     device, rows = query_start.device, seq_lens.numel()
     query_lens = (query_start_cpu[1: rows + 1] - query_start_cpu[:rows]).to(torch.int64)
     prefill = (query_lens > 1).nonzero().flatten()
@@ -264,6 +272,51 @@ def kernel_plan(tables: RowTables, *, query_start_cpu: torch.Tensor, query_start
         window=on_device(tables.window), leak=on_device(tables.leak), log_n_length=on_device(tables.log_n_length),
         query_factor=on_device(tables.query_factor), group=on_device(tables.group), prefill_tiles=tiles,
         decode_rows=decode_rows)
+
+
+@dataclass(frozen=True)
+class SubRows:
+    """A step's rows with each ntk_dynamic row cut where its rotation changes: every row here
+    has one θ for all its queries, so every kernel runs it unchanged. Row i reads the cache
+    through batch row ``batch_row[i]``."""
+
+    tables: RowTables  # [R'] with each piece's θ
+    starts: torch.Tensor  # [R' + 1] int64
+    seq_lens: torch.Tensor  # [R'] int64: each piece's last query position + 1
+    batch_row: torch.Tensor  # [R'] int64
+
+
+def dynamic_sub_rows(tables: RowTables, starts: torch.Tensor, seq_lens: torch.Tensor,
+                     step: int = DYNAMIC_STEP) -> SubRows | None:
+    """The step's rows (``starts [R+1]``, ``seq_lens [R]``, ``tables`` row i = batch row i) with
+    each ntk_dynamic row's queries cut at the positions ``L + j step`` where its factor steps
+    (:func:`rotary.dynamic_length`), each piece at its own ``θ k^(-e)``; None without such a row.
+    A piece attends to keys up to its own last query, as any causal row; pieces are consecutive
+    in the token order, so outputs land where the row's would."""
+    rows = seq_lens.numel()
+    train_lengths = tables.dynamic_length[:rows]
+    if not bool((train_lengths > 0).any()):
+        return None
+    piece_starts, piece_ends, batch_row = [], [], []
+    for r in range(rows):
+        end, first_token = int(seq_lens[r]), int(starts[r])
+        first = end - (int(starts[r + 1]) - first_token)  # the row's first query position
+        cuts, train = [first], int(train_lengths[r])
+        if train:
+            cut = train + max(0, (first - train) // step + 1) * step  # the first step after `first`
+            cuts += range(cut, end, step)
+        for a, b in zip(cuts, cuts[1:] + [end]):
+            piece_starts.append(first_token + a - first)
+            piece_ends.append(b)
+            batch_row.append(r)
+    batch_row = torch.tensor(batch_row, dtype=torch.int64)
+    seq_lens_out = torch.tensor(piece_ends, dtype=torch.int64)
+    pieces = tables.gather(batch_row)
+    train = pieces.dynamic_length.clamp(min=1).double()  # fixed rows have exponent 0: their factor is moot
+    factor = dynamic_length(seq_lens_out - 1, train, step) / train  # each piece's last query's (its queries share it)
+    pieces.theta = pieces.theta * factor[:, None] ** -pieces.theta_exponent
+    return SubRows(tables=pieces, starts=torch.tensor(piece_starts + [int(starts[rows])], dtype=torch.int64),
+                   seq_lens=seq_lens_out, batch_row=batch_row)
 
 
 def far_query_positions(positions: torch.Tensor, window: torch.Tensor, leak: torch.Tensor,
@@ -297,6 +350,10 @@ class StepPlanner:
              slot_mapping: torch.Tensor) -> StepPlan:
         """The step's plan from row starts ``[R+1]`` in the flat token order, sequence lengths
         ``[R]``, the block table, the slots, and the rows' settings tables."""
+        pieces = dynamic_sub_rows(tables, starts, seq_lens)
+        if pieces is not None:
+            tables, starts, seq_lens = pieces.tables, pieces.starts, pieces.seq_lens
+            block_table = block_table[pieces.batch_row]
         count = seq_lens.numel()
         rows = StepRows(starts=starts, seq_lens=seq_lens, theta=tables.theta[:count], window=tables.window[:count],
                         leak=tables.leak[:count], group=tables.group[:count])

@@ -10,7 +10,8 @@ equations for the NTK variants (seed 000, ``θ_m`` with ``m = 1 .. d/2``), posit
 interpolation's ``θ / k``, YaRN's NTK-by-parts as its reference code defines it (the ramp
 between the correction dimensions of 32 and 1 rotations) with the temperature
 ``sqrt(1/t) = 0.1 ln s + 1``, ReRoPE's and Leaky ReRoPE's positions (seed 003), Self-Extend's
-grouped positions (LongLM, Algorithm 1), log-n's ``max(1, log_L n)``; the rotation is the
+grouped positions (LongLM, Algorithm 1), dynamic NTK's base at each query's length
+(transformers' "dynamic" rope), log-n's ``max(1, log_L n)``; the rotation is the
 complex product. The tests compare PI and YaRN with transformers' own rope initialisation too.
 """
 
@@ -20,7 +21,7 @@ import math
 
 import torch
 
-from .settings import ExtensionSettings
+from .settings import DYNAMIC_STEP, ExtensionSettings
 
 YARN_FAST_ROTATIONS, YARN_SLOW_ROTATIONS = 32, 1  # the YaRN paper's alpha / beta bounds (in rotations)
 
@@ -112,6 +113,30 @@ def oracle_frequencies(settings: ExtensionSettings, head_dim: int, base: float,
     return torch.tensor(frequencies, dtype=torch.float64)
 
 
+def oracle_dynamic_length(settings: ExtensionSettings, seen: int) -> int:
+    """The length dynamic NTK sizes its factor to after ``seen`` tokens: the training length
+    within it, beyond it ``seen`` rounded up to a whole step (``DYNAMIC_STEP``) past it."""
+    if seen <= settings.train_length:
+        return settings.train_length
+    return settings.train_length + math.ceil((seen - settings.train_length) / DYNAMIC_STEP) * DYNAMIC_STEP
+
+
+def oracle_query_frequencies(settings: ExtensionSettings, head_dim: int, base: float, positions: torch.Tensor,
+                             rope: dict | None = None) -> torch.Tensor:
+    """``θ`` each query (0-based ``positions``) rotates with, ``[n, d/2]``. Dynamic NTK is
+    transformers' "dynamic" rope: base ``b (s / L)^(d/(d-2))`` at sequence length ``s``
+    (:func:`oracle_dynamic_length` of the ``m + 1`` tokens seen); every other method has one θ."""
+    if settings.method != "ntk_dynamic":
+        return oracle_frequencies(settings, head_dim, base, rope).expand(positions.numel(), -1)
+    plain = oracle_checkpoint(None, head_dim, base)[0]
+    rows = []
+    for m in positions.tolist():
+        scaled_base = base * (oracle_dynamic_length(settings, m + 1) / settings.train_length) ** (head_dim / (head_dim - 2))
+        dynamic = torch.tensor([scaled_base ** (-2 * i / head_dim) for i in range(head_dim // 2)], dtype=torch.float64)
+        rows.append(oracle_checkpoint(rope, head_dim, base)[0] * dynamic / plain)
+    return torch.stack(rows)
+
+
 def oracle_relative_position(settings: ExtensionSettings, query_position: torch.Tensor,
                              key_position: torch.Tensor) -> torch.Tensor:
     """Seed 003: ReRoPE scores ``min(r, w)`` of ``r = m - n``; Leaky ReRoPE ``r`` below ``w`` and
@@ -183,7 +208,7 @@ def reference_attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
 
-    theta = oracle_frequencies(settings, head_dim, base, rope)  # [d/2]
+    theta = oracle_query_frequencies(settings, head_dim, base, positions, rope)  # [seq, d/2]
     checkpoint_factor = oracle_checkpoint(rope, head_dim, base)[1] ** 2  # on q and k alike
     scaled_query = query.double() * (oracle_query_scale(settings, positions) * checkpoint_factor)[:, None, None]
     key64, value64 = key.double(), value.double()
@@ -195,7 +220,7 @@ def reference_attention(
         query_position, key_position = positions[rows, None], positions[None, :]
         causal = query_position >= key_position  # [rows, seq]
         relative = oracle_relative_position(settings, query_position, key_position).masked_fill(~causal, 0.0)
-        angle = -relative[..., None] * theta  # key n as query m sees it: R(-rel) k_n
+        angle = -relative[..., None] * theta[rows, None, :]  # key n as query m sees it: R(-rel) k_n
         seen_key = rotate(key64[None], angle[:, :, None, :], neox_style)  # [rows, seq, kv, d]
 
         q = scaled_query[rows].view(-1, kv_heads, group, head_dim)  # [rows, kv, group, d]

@@ -35,6 +35,22 @@ def ntk_old_inv_freq(head_dim: int, base: float, factor: float) -> torch.Tensor:
     return rope_inv_freq(head_dim, base * factor)
 
 
+def ntk_dynamic_exponent(head_dim: int) -> torch.Tensor:
+    """Dynamic NTK (transformers' "dynamic" rope) at factor k has base ``b k^(d/(d-2))``, i.e.
+    ``theta_i k^(-e_i)`` with ``e_i = 2i/(d-2)``: the highest frequency kept, the lowest divided
+    by exactly k. Returns ``e``, ``[d/2]``."""
+    pair = torch.arange(head_dim // 2, dtype=torch.float64)
+    return 2.0 * pair / (head_dim - 2)
+
+
+def dynamic_length(positions: torch.Tensor, train_length: int | torch.Tensor, step: int) -> torch.Tensor:
+    """The sequence length ntk_dynamic sizes its factor to at each 0-based query position:
+    the ``m + 1`` tokens seen, rounded up to ``L + j step`` past the training length ``L``;
+    ``L`` within it (factor 1). int64, one per position."""
+    past = (positions + 1 - train_length).clamp(min=0)
+    return train_length + -(-past // step) * step
+
+
 def ntk_fixed_inv_freq(head_dim: int, base: float, factor: float) -> torch.Tensor:
     """NTK with the radix fix: ``theta_i = b^(-2i/d) k^(-2(i+1)/d)``."""
     pair = torch.arange(head_dim // 2, dtype=torch.float64)

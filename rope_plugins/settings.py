@@ -39,6 +39,10 @@ MAX_LEAKY_K = 65536.0
 # kernel's far-angle walk (csrc/decode_attention.cpp) holds whole groups and its split of a
 # key's angle into step + offset stays exact.
 SELF_EXTEND_GROUPS = (1, 2, 4, 8, 16, 32, 64)
+# ntk_dynamic sizes its factor to the tokens seen rounded up to a step of this many past the
+# training length: the rotation changes every 128 positions rather than at every one, so a
+# prompt chunk splits into a few rows of one rotation each (planner.dynamic_sub_rows)
+DYNAMIC_STEP = 128
 
 
 class SettingsError(ValueError):
@@ -138,22 +142,31 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
         raise SettingsError(field, _readable(first)) from None
 
 
-def length_factor(total_tokens: int, train_length: int) -> float:
-    """The factor a request of ``total_tokens`` (prompt + completion) needs: ``max(1, total / L)``;
-    1 inside the training length, where every frequency method is then plain RoPE."""
-    return max(1.0, total_tokens / train_length)
+def positions_used(prompt_tokens: int, max_tokens: int) -> int:
+    """How many positions a request's tokens occupy: the prompt's and every generated token's
+    but the last, which is sampled and never run through the model. A request with
+    ``prompt + max_tokens = L + 1`` still sees only positions ``0 .. L - 1``."""
+    return prompt_tokens + max(max_tokens, 1) - 1
 
 
-def with_factor_resolved(fields: dict[str, Any], total_tokens: int, defaults: ExtensionSettings) -> dict[str, Any]:
-    """``fields`` with ``factor: "auto"`` replaced by :func:`length_factor` at the request's
-    training length (its own ``train_length``, else the defaults'). What the engine runs, the
-    response reports and the prefix cache is salted by is that number, never "auto"."""
+def length_factor(positions: int, train_length: int) -> float:
+    """The factor a request spanning ``positions`` (:func:`positions_used`) needs:
+    ``max(1, positions / L)``; 1 inside the training length, where every frequency method is
+    then plain RoPE."""
+    return max(1.0, positions / train_length)
+
+
+def with_factor_resolved(fields: dict[str, Any], positions: int, defaults: ExtensionSettings) -> dict[str, Any]:
+    """``fields`` with ``factor: "auto"`` replaced by :func:`length_factor` for a request
+    spanning ``positions``, at its training length (its own ``train_length``, else the
+    defaults'). What the engine runs, the response reports and the prefix cache is salted by is
+    that number, never "auto"."""
     if not isinstance(fields, dict) or fields.get("factor") != AUTO:
         return fields
     train_length = fields.get("train_length", defaults.train_length)
     if type(train_length) is not int or not 1 < train_length <= MAX_POSITIONS:
         return {name: value for name, value in fields.items() if name != "factor"}  # train_length's error is the one
-    return {**fields, "factor": length_factor(total_tokens, train_length)}
+    return {**fields, "factor": length_factor(positions, train_length)}
 
 
 def request_fields(params: Any) -> dict[str, Any] | None:

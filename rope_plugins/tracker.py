@@ -55,14 +55,19 @@ class RowValues:
     log_n_length: float  # the training length log-n divides by; 0 when log-n is off
     query_factor: float  # on the query: the method's own (YaRN's temperature) x the checkpoint's
     group: int  # g: far positions floored to groups of g (Self-Extend); 0 keeps them continuous
+    dynamic_length: int  # L of a factor that follows the length (ntk_dynamic); 0 for a fixed θ
+    theta_exponent: torch.Tensor  # [d/2] float64: each query's θ is theta k^(-exponent); zeros when fixed
 
 
 def row_values(settings: ExtensionSettings, rotary: CheckpointRotary) -> RowValues:
     method = method_of(settings)
+    exponent = method.dynamic_exponent(settings, rotary.head_dim)
     return RowValues(theta=inv_freq(settings, rotary), window=method.window(settings), leak=method.leak(settings),
                      log_n_length=float(settings.train_length) if settings.log_n else 0.0,
                      query_factor=method.query_factor(settings) * rotary.attention_factor**2,
-                     group=method.group(settings))
+                     group=method.group(settings), dynamic_length=settings.train_length if exponent is not None else 0,
+                     theta_exponent=exponent if exponent is not None else torch.zeros(rotary.head_dim // 2,
+                                                                                        dtype=torch.float64))
 
 
 # Distinct settings seen by a worker: each costs a few hundred bytes; a bounded cache keeps a
@@ -86,9 +91,12 @@ class RowTables:
         self.log_n_length = torch.zeros(rows, dtype=torch.float64)
         self.query_factor = torch.ones(rows, dtype=torch.float64)
         self.group = torch.zeros(rows, dtype=torch.int64)
+        self.dynamic_length = torch.zeros(rows, dtype=torch.int64)
+        self.theta_exponent = torch.zeros(rows, pairs, dtype=torch.float64)
 
     def _tables(self) -> tuple[torch.Tensor, ...]:
-        return self.theta, self.window, self.leak, self.log_n_length, self.query_factor, self.group  # RowValues' order
+        return (self.theta, self.window, self.leak, self.log_n_length, self.query_factor, self.group,  # RowValues' order
+                self.dynamic_length, self.theta_exponent)
 
     def write(self, row: int, values: RowValues) -> None:
         for table, field in zip(self._tables(), fields(values)):
@@ -105,8 +113,8 @@ class RowTables:
     def gather(self, rows: torch.Tensor) -> RowTables:
         """A copy holding ``rows``, in that order."""
         taken = copy.copy(self)
-        taken.theta, taken.window, taken.leak, taken.log_n_length, taken.query_factor, taken.group = (
-            table[rows] for table in self._tables())
+        (taken.theta, taken.window, taken.leak, taken.log_n_length, taken.query_factor, taken.group,
+         taken.dynamic_length, taken.theta_exponent) = (table[rows] for table in self._tables())
         return taken
 
 

@@ -21,9 +21,10 @@ from vllm.sampling_params import RequestOutputKind
 
 from rope_plugins.checkpoint import CheckpointRotary, checkpoint_rotary
 from rope_plugins.engine import engine_kwargs, extension_request
-from rope_plugins.settings import (ExtensionSettings, SettingsError, engine_defaults, parse_settings,
-                                   with_factor_resolved)
+from rope_plugins.settings import (MAX_POSITIONS, ExtensionSettings, SettingsError, engine_defaults, parse_settings,
+                                   positions_used, with_factor_resolved)
 
+from .auto import auto_settings
 from .config import AUTO, ServerConfig
 from .errors import (bad_request, context_length_exceeded, engine_refusal, engine_unavailable, invalid_settings,
                      model_not_found, request_too_large, server_full)
@@ -103,7 +104,7 @@ class EngineService:
         # the engine's own default factor stays a number: the server resolves 'auto' for every request
         engine_default = {k: v for k, v in config.extension_defaults().items()
                           if k != "method" and not (k == "factor" and v == AUTO)}
-        engine_default["method"] = config.auto_method if config.method == AUTO else config.method
+        engine_default["method"] = (config.auto_method or "self_extend") if config.method == AUTO else config.method
         if engine_default["method"] in ("none",) and not config.log_n:
             engine_default["method"] = "rerope"  # the engine serves past the training length; requests choose
         kwargs = engine_kwargs(
@@ -133,7 +134,7 @@ class EngineService:
             self.rotary = checkpoint_rotary(hf_config)
             self.state = "ready"
             config = self.config
-            auto = (f"; auto past training: {config.auto_method}"
+            auto = (f"; auto past training: {config.auto_method or 'self_extend (window L/2, group sized to the request)'}"
                     f"{' with log_n' if config.auto_log_n_past_training else ''}" if config.method == AUTO else "")
             logger.info("engine ready in %.0f s: model %r, trained at %d tokens, serving up to %d; default "
                         "extension %s%s", time.perf_counter() - began, self.model_name, self.defaults.train_length,
@@ -195,17 +196,26 @@ class EngineService:
         return self.encode_text(text, add_special_tokens=False, param="messages" if bounded else None)
 
     def resolve_settings(self, fields: dict[str, Any], prompt_tokens: int, max_tokens: int) -> ExtensionSettings:
-        """The request's settings: server defaults overridden by ``fields``; ``auto`` becomes
-        plain RoPE while prompt + completion fit the training length, ``auto_method`` beyond
-        (with log-n query scaling under ``auto_log_n``, unless the request sets ``log_n``); a
-        ``factor`` of ``auto`` becomes what prompt + completion need (:func:`length_factor`)."""
+        """The request's settings: server defaults overridden by ``fields``. ``auto`` is
+        :func:`auto_settings` for the positions the request occupies (:func:`positions_used`),
+        or past the training length ``--auto-method`` at its defaults; fields the request sets
+        itself stay, and log-n past training follows ``--auto-log-n`` unless the request sets
+        ``log_n``. A ``factor`` of ``auto`` becomes what those positions need (:func:`length_factor`)."""
         merged = {**self.config.extension_defaults(), **fields}
-        merged = with_factor_resolved(merged, prompt_tokens + max_tokens, self.defaults)
+        positions = positions_used(prompt_tokens, max_tokens)
+        merged = with_factor_resolved(merged, positions, self.defaults)
         if merged.get("method") == AUTO:
             train_length = merged.get("train_length", self.train_length)
-            fits = isinstance(train_length, int) and prompt_tokens + max_tokens <= train_length
-            merged["method"] = "none" if fits else self.config.auto_method
-            if not fits and "log_n" not in fields:
+            if type(train_length) is not int or not 1 < train_length <= MAX_POSITIONS:
+                chosen = {"method": self.config.auto_method or "none"}  # train_length's own error comes next
+            elif positions <= train_length or self.config.auto_method is None:
+                window = fields.get("window")
+                own_window = window if type(window) is int and 0 < window < train_length else None
+                chosen = auto_settings(positions, train_length, own_window)
+            else:
+                chosen = {"method": self.config.auto_method}
+            merged.update({name: value for name, value in chosen.items() if name == "method" or name not in fields})
+            if chosen["method"] != "none" and "log_n" not in fields:
                 merged["log_n"] = self.config.auto_log_n_past_training
         try:
             settings = parse_settings(merged, self.defaults)

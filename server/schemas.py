@@ -61,7 +61,7 @@ class ContextExtension(BaseModel):
     # the schema documents what it accepts
     method: Annotated[Any, WithJsonSchema({"enum": ["auto", *METHOD_NAMES]})] = None
     factor: Annotated[Any, WithJsonSchema({"anyOf": [settings_field_schema("factor").json_schema, {"const": "auto"}],
-                                           "description": "'auto': max(1, (prompt + max_tokens) / train_length)"})] = None
+                                           "description": "'auto': max(1, (prompt + max_tokens - 1) / train_length)"})] = None
     window: Annotated[Any, settings_field_schema("window", description="smaller than train_length")] = None
     leaky_k: Annotated[Any, settings_field_schema("leaky_k")] = None
     beta: Annotated[Any, settings_field_schema("beta")] = None

@@ -50,6 +50,15 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="self_extend", window=16, group=64, train_length=TRAIN), 700, 1),
     (ExtensionSettings(method="self_extend", window=24, group=8, train_length=TRAIN), 50, 70),
     (ExtensionSettings(method="self_extend", window=10, group=2, log_n=True, train_length=TRAIN), 0, 90),
+    # ntk_dynamic: θ steps at TRAIN + j DYNAMIC_STEP (64, 192, 320, ...): a prompt across three
+    # steps, a chunk across one, a one-query piece at a step, decode inside training, in a step,
+    # and past a 512-key chunk
+    (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 0, 400),
+    (ExtensionSettings(method="ntk_dynamic", log_n=True, train_length=TRAIN), 150, 60),
+    (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 191, 2),
+    (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 30, 1),
+    (ExtensionSettings(method="ntk_dynamic", log_n=True, train_length=TRAIN), 250, 1),
+    (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 900, 1),
 ]
 PREFILL_TILE = 8
 

@@ -21,10 +21,14 @@ def full_plan():
 def test_the_plan_holds_every_measurement_once(full_plan):
     keys = [(job[0], evaluate.label(job[1]), job[2], job[4] if job[0] == "passkey" else 0) for job in full_plan]
     assert len(keys) == len(set(keys))
-    per_length_plain = 8 * (1 + 1 + 6)  # loss, repeat, 6 passkey trials for each method
-    log_n_within = 8 * 2  # loss only at 4k and 8k
-    log_n_past = 8 * 8 * 2  # everything at 16k and 32k
-    assert len(full_plan) == 4 * per_length_plain + log_n_within + log_n_past + len(evaluate.ablations())
+    methods, sized = len(evaluate.METHODS), len(evaluate.SIZED_METHODS)
+    plain = methods + sized  # each method at its defaults; the frequency methods also with factor "auto"
+    scaled = plain - 1  # with log_n: all but auto, which decides log_n itself
+    losses = 4 * (plain + scaled)
+    within = 2 * methods * (1 + 6)  # repeat and 6 passkeys at 4k and 8k: not for log_n or factor auto (identities)
+    past = 2 * (plain + scaled) * (1 + 6)  # everything at 16k and 32k
+    search = 2 * len(evaluate.AUTO_CANDIDATES)  # auto's candidates at 16k and 32k
+    assert len(full_plan) == losses + within + past + len(evaluate.ablations()) + search
 
 
 def test_the_plan_runs_the_loss_curves_first(full_plan):
@@ -39,8 +43,11 @@ def test_the_plan_runs_the_loss_curves_first(full_plan):
     assert all(job[0] == "loss" for job in full_plan[:min(tests_past)] if job[2] > evaluate.TRAIN_LENGTH)
     assert {(evaluate.label(job[1]), job[2]) for job in full_plan if job[0] == "loss"} <= {
         (evaluate.label(job[1]), job[2]) for job in full_plan[:min(tests_past)] if job[0] == "loss"}
-    # the ablations come with the first length past training
-    assert all(job[2] == 16384 for job in full_plan if evaluate.is_ablation({"settings": job[1]}))
+    # the ablations come with the first length past training; auto's search first of all
+    assert all(job[2] == 16384 for job in full_plan
+               if evaluate.is_ablation({"settings": job[1]}) and not evaluate.is_candidate(job[1]))
+    search = 2 * len(evaluate.AUTO_CANDIDATES)
+    assert all(evaluate.is_candidate(job[1]) for job in full_plan[:search])
 
 
 def test_log_n_is_only_a_loss_check_within_training(full_plan):

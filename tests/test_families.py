@@ -16,7 +16,7 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 MIXED = [{"method": "none"}, {"method": "rerope", "window": 37}, {"method": "leaky_rerope", "window": 50},
          {"method": "ntk_mixed", "factor": 4.0, "log_n": True}, {"method": "yarn", "factor": 4.0},
          {"method": "pi", "factor": 2.0}, {"method": "ntk_old", "factor": 4.0}, {"method": "ntk_fixed", "factor": 3.0},
-         {"method": "self_extend", "window": 40, "group": 4}]
+         {"method": "self_extend", "window": 40, "group": 4}, {"method": "ntk_dynamic"}]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -116,6 +116,14 @@ def test_a_kernel_given_a_wrong_group_fails_only_the_grouped_rows(monkeypatch):
     assert not passed and wrong == {"self_extend"}
 
 
+def test_a_dynamic_factor_that_never_steps_fails_only_its_rows(monkeypatch):
+    """ntk_dynamic sized to the training length at every position (factor 1, plain RoPE's θ):
+    only its rows, which run past training, are wrong."""
+    monkeypatch.setattr(planner, "dynamic_length", lambda positions, train_length, step: train_length + 0 * positions)
+    passed, wrong = rows_wrong_under(monkeypatch, lambda plan: plan)
+    assert not passed and wrong == {"ntk_dynamic"}
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN slots read by the interpreter
 def test_a_cache_write_that_writes_nothing_fails(monkeypatch):
     monkeypatch.setattr(gpu, "write_cache", lambda *args: None)

@@ -43,6 +43,9 @@ MIXED_ROWS = [
     (settings("leaky_rerope", False, window=24, leaky_k=8.0), 100, 1),
     (settings("none", False), 0, 18),
     (settings("self_extend", True, window=12, group=8), 40, 30),
+    # ntk_dynamic's θ steps at 64 and 192 inside these chunks: cut into rows of one θ each
+    (settings("ntk_dynamic", True), 0, 70),
+    (settings("ntk_dynamic", False), 170, 40),
 ]
 
 

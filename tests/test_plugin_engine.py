@@ -35,6 +35,9 @@ METHODS = [
     {"method": "leaky_rerope", "window": 50, "leaky_k": 3.0, "log_n": True},
     {"method": "self_extend", "window": 37, "group": 4},
     {"method": "self_extend", "window": 50, "group": 8, "log_n": True},
+    # θ steps at 256 + 128 j: a 600-token prompt runs under four
+    {"method": "ntk_dynamic"},
+    {"method": "ntk_dynamic", "log_n": True},
 ]
 
 
@@ -109,7 +112,7 @@ def test_all_methods_mixed_in_one_batch(full_engine, reference_model, engine_def
 
 
 def test_chunked_prefill_matches_one_full_prefill(full_engine, chunked_engine, reference_model, engine_defaults):
-    chosen = [METHODS[0], METHODS[5], METHODS[8], METHODS[9], METHODS[12], METHODS[14]]
+    chosen = [METHODS[0], METHODS[5], METHODS[8], METHODS[9], METHODS[12], METHODS[14], METHODS[16]]
     requests = [(prompt(200 + i), fields) for i, fields in enumerate(chosen)]
     chunked = run(chunked_engine, requests, engine_defaults)
     full = run(full_engine, requests, engine_defaults)
@@ -137,7 +140,7 @@ FREQUENCY_METHODS = ["pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn"]
 def test_auto_factor_is_plain_rope_inside_training_and_sized_to_the_request_past_it(full_engine, reference_model,
                                                                                    engine_defaults):
     """``factor: "auto"``: inside the training length every frequency method is plain RoPE (the
-    oracle's ``none``); past it, the method at ``(prompt + max_tokens) / train_length``, which is
+    oracle's ``none``); past it, the method at ``(prompt + max_tokens - 1) / train_length``, which is
     what the request's settings (and so its cache salt) carry."""
     from vllm import SamplingParams
 
@@ -148,12 +151,41 @@ def test_auto_factor_is_plain_rope_inside_training_and_sized_to_the_request_past
     requests = [(ids, {"method": method, "factor": "auto"}) for method in FREQUENCY_METHODS for ids in (inside, past)]
     results = run(full_engine, requests, engine_defaults)
     for result, (ids, fields) in zip(results, requests):
-        factor = (len(ids) + NEW_TOKENS) / train if ids is past else 1.0
+        factor = (len(ids) + NEW_TOKENS - 1) / train if ids is past else 1.0  # the last token takes no position
         _, _, settings = extension_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=NEW_TOKENS), fields,
                                            engine_defaults)
         assert settings.factor == factor
         expected = {"method": "none"} if ids is inside else {"method": fields["method"], "factor": factor}
         assert_matches_oracle(result, ids, expected, reference_model, engine_defaults)
+
+
+def test_ntk_dynamic_decodes_across_a_step_of_its_factor(full_engine, chunked_engine, reference_model,
+                                                        engine_defaults):
+    """Generated tokens cross the step at position 512 (and the C++ decode's 512-key chunk):
+    each one's θ follows the length it has seen, in one prefill and in chunks of 64."""
+    fields = {"method": "ntk_dynamic"}
+    ids = prompt(700, 509)
+    for llm in (full_engine, chunked_engine):
+        [result] = run(llm, [(ids, fields)], engine_defaults)
+        assert_matches_oracle(result, ids, fields, reference_model, engine_defaults)
+
+
+def test_ntk_dynamic_reuses_a_cached_prefix_of_another_length(full_engine, reference_model, engine_defaults):
+    """A position's θ depends on the tokens before it, not on the request's length, so the K/V
+    of a prefix are the same in every ntk_dynamic request (at one train_length): a longer
+    request reads a shorter one's blocks and answers as the oracle does. A request at another
+    train_length does not (its salt differs)."""
+    fields = {"method": "ntk_dynamic"}
+    short = prompt(710, 420)
+    run(full_engine, [(short, fields)], engine_defaults, prompt_logprobs=False)
+    longer = short + prompt(711, 200)
+    [extended] = run(full_engine, [(longer, fields)], engine_defaults, prompt_logprobs=False)
+    assert extended.cached_tokens >= 400
+    assert_matches_oracle(extended, longer, fields, reference_model, engine_defaults)
+    other = {**fields, "train_length": 128}
+    [elsewhere] = run(full_engine, [(longer, other)], engine_defaults, prompt_logprobs=False)
+    assert elsewhere.cached_tokens == 0
+    assert_matches_oracle(elsewhere, longer, other, reference_model, engine_defaults)
 
 
 @pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine", "triton_engine"])

@@ -163,3 +163,29 @@ def test_rotate_is_complex_multiplication(neox_style):
     got_real, got_imag = (got[:, :4], got[:, 4:]) if neox_style else (got[:, 0::2], got[:, 1::2])
     torch.testing.assert_close(got_real, expected.real)
     torch.testing.assert_close(got_imag, expected.imag)
+
+
+@pytest.mark.parametrize("head_dim,base,train_length,seen", [(64, 100000.0, 8192, 20000), (128, 10000.0, 4096, 4097),
+                                                             (16, 10000.0, 64, 300), (16, 10000.0, 64, 50)])
+def test_ntk_dynamic_is_transformers_dynamic_rope_at_the_stepped_length(head_dim, base, train_length, seen):
+    """The oracle's θ for a query that has seen ``seen`` tokens is transformers' "dynamic" rope
+    (factor 1) at that length rounded up to a whole step past training; the planner's form
+    (θ k^(-e), rope_plugins.rotary) equals it."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from rope_plugins.reference import oracle_query_frequencies
+    from rope_plugins.rotary import dynamic_length, ntk_dynamic_exponent
+    from rope_plugins.settings import DYNAMIC_STEP
+
+    settings = ExtensionSettings(method="ntk_dynamic", train_length=train_length)
+    sized = int(dynamic_length(torch.tensor(seen - 1), train_length, DYNAMIC_STEP))
+    assert sized == train_length if seen <= train_length else sized - DYNAMIC_STEP < seen <= sized
+    config = LlamaConfig(hidden_size=head_dim * 8, num_attention_heads=8, head_dim=head_dim,
+                         max_position_embeddings=train_length,
+                         rope_parameters={"rope_type": "dynamic", "rope_theta": base, "factor": 1.0})
+    theirs, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=sized)
+    oracle = oracle_query_frequencies(settings, head_dim, base, torch.tensor([seen - 1]))[0]
+    torch.testing.assert_close(oracle, theirs.double(), rtol=1e-6, atol=0)  # theirs is float32
+    ours = rope_inv_freq(head_dim, base) * (sized / train_length) ** -ntk_dynamic_exponent(head_dim)
+    torch.testing.assert_close(ours, oracle, rtol=1e-12, atol=0)

@@ -167,23 +167,27 @@ def test_auto_is_plain_rope_inside_the_training_length_and_the_extension_beyond(
     beyond = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello " * 40, max_tokens=40,
         extra_body={"context_extension": {"method": "auto", "train_length": 64}, "ignore_eos": True})
-    # log-n scales by log(n) / log(train_length), so the applied settings name the training length too
-    assert json.loads(beyond.headers["x-context-extension"]) == {"method": "rerope", "window": 16, "log_n": True,
-                                                                 "train_length": 64}
-    # and it generates there: 40 tokens of text, past the pretend training length
+    # Self-Extend, window 32 and the smallest group keeping the far positions under 64: with
+    # 41 prompt tokens and 40 new ones it spans 80 positions, ⌊79/2⌋ + 32 - 16 = 55 < 64 (g = 1: 79)
     answer = beyond.parse()
+    assert answer.usage.prompt_tokens == 41
+    assert json.loads(beyond.headers["x-context-extension"]) == {"method": "self_extend", "window": 32, "group": 2}
+    # and it generates there: 40 tokens of text, past the pretend training length
     assert answer.choices[0].text.strip() and answer.choices[0].finish_reason == "length"
-    assert answer.usage.completion_tokens == 40 and answer.usage.prompt_tokens + 40 > 64
-    # log-n comes with auto's extension (--auto-log-n) unless the request says otherwise
-    without = client.completions.with_raw_response.create(
-        model=MODEL, prompt="Hello " * 80, max_tokens=2,
-        extra_body={"context_extension": {"method": "auto", "train_length": 64, "log_n": False}})
-    assert json.loads(without.headers["x-context-extension"]) == {"method": "rerope", "window": 16}
+    assert answer.usage.completion_tokens == 40
+    # the request's own fields stay (log-n, a window); the group still follows its length
+    # (161 positions: ⌊160/4⌋ + 20 - 5 = 55 < 64; g = 2: 95)
+    own = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hello " * 160, max_tokens=1,
+        extra_body={"context_extension": {"method": "auto", "train_length": 64, "window": 20, "log_n": True}})
+    assert json.loads(own.headers["x-context-extension"]) == {"method": "self_extend", "window": 20, "group": 4,
+                                                              "log_n": True, "train_length": 64}
 
 
 def test_auto_factor_is_sized_to_the_request_and_reported(client):
     """``factor: "auto"`` is resolved at admission: 1 inside the training length, (prompt +
-    max_tokens) / train_length past it; the applied number is what the header reports."""
+    max_tokens - 1) / train_length past it (the last token is sampled, never placed); the
+    applied number is what the header reports."""
     inside = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello", max_tokens=2, extra_body={"context_extension": {"method": "yarn", "factor": "auto"}})
     assert json.loads(inside.headers["x-context-extension"]) == {"method": "yarn", "factor": 1.0, "train_length": 8192}
@@ -191,7 +195,7 @@ def test_auto_factor_is_sized_to_the_request_and_reported(client):
         model=MODEL, prompt="Hello " * 40, max_tokens=24,
         extra_body={"context_extension": {"method": "ntk_mixed", "factor": "auto", "train_length": 32}})
     applied, usage = json.loads(beyond.headers["x-context-extension"]), beyond.parse().usage
-    assert applied["factor"] == (usage.prompt_tokens + 24) / 32 and applied["method"] == "ntk_mixed"
+    assert applied["factor"] == (usage.prompt_tokens + 24 - 1) / 32 and applied["method"] == "ntk_mixed"
 
 
 def test_models_health_version_metrics_tokenize(server, client):

@@ -82,6 +82,15 @@ def test_length_factor_is_one_inside_training_and_the_ratio_past_it():
     assert length_factor(20000, 8192) == 20000 / 8192
 
 
+def test_a_request_occupies_its_prompt_and_all_but_its_last_generated_token():
+    from rope_plugins.settings import length_factor, positions_used
+
+    assert positions_used(8191, 1) == 8191 and positions_used(8191, 2) == 8192 and positions_used(10, 0) == 10
+    # a whole-training-length prompt scored with one sampled token (echo) stays plain RoPE
+    assert length_factor(positions_used(8192, 1), 8192) == 1.0
+    assert length_factor(positions_used(8192, 2), 8192) == 8193 / 8192
+
+
 def test_auto_factor_resolves_at_the_requests_training_length():
     from rope_plugins.settings import with_factor_resolved
 
