@@ -1,12 +1,13 @@
 """Long-context quality of every method on the real default model, through the real server.
 
     .venv/bin/python bench/evaluate.py            # the full grid (resumable)
-    .venv/bin/python bench/evaluate.py --quick    # 9k tokens, the 8 methods' loss and accuracy
+    .venv/bin/python bench/evaluate.py --quick    # 9k tokens, the methods' loss and accuracy
     .venv/bin/python bench/evaluate.py --table    # summary files and bench/README.md's tables from the results log
 
 Starts ``python -m server`` on SmolLM2-135M-Instruct (trained at 8,192 tokens) and, over HTTP
 with the openai client, for each method (none, pi, ntk_old, ntk_fixed, ntk_mixed, yarn,
-rerope, leaky_rerope; each with and without log_n) and context length:
+rerope, leaky_rerope, self_extend, ntk_dynamic; each with and without log_n; the frequency
+methods also with ``factor: "auto"``; and the server's ``auto``) and context length:
 
 * **loss**: mean next-token negative log-likelihood over the last 4,096 tokens of a text
   of that length (``echo`` + ``logprobs`` on /v1/completions score the prompt); every
@@ -17,8 +18,9 @@ rerope, leaky_rerope; each with and without log_n) and context length:
   to fill the context (the seeds' repeat test: can the model copy from far back?);
 * **passkey**: a 5-digit number hidden at several depths of filler text, asked for at the
   end (greedy, 8 tokens; found or not);
-* ablations past the training length: the ReRoPE window (1/8, 1/4, 1/2 of training) and
-  ntk_mixed's beta.
+* ablations past the training length: the ReRoPE and Leaky ReRoPE windows (1/8, 1/4, 1/2
+  of training), Self-Extend's group (4, 8, 16), ntk_mixed's beta; and the search for
+  ``auto``'s setting (:data:`AUTO_CANDIDATES`, at every length past training).
 
 The text is CPython's own documentation (``--corpus`` swaps it: ``stdlib`` or any text
 file/directory). Each measurement is appended to ``bench/results/eval_runs.jsonl`` as it
@@ -100,7 +102,13 @@ AUTO_CANDIDATES = [
     {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 4},
     {"method": "self_extend", "window": TRAIN_LENGTH * 3 // 4, "group": 8},
     {"method": "self_extend", "window": TRAIN_LENGTH * 3 // 4, "group": 16},
+    {"method": "self_extend", "window": TRAIN_LENGTH * 7 // 8, "group": 32},
 ]
+
+
+# Self-Extend loses the passkeys (auto's own row): the candidates whose retrieval is measured
+# too, for the trade-off between the loss and finding a fact far back
+RETRIEVAL_CANDIDATES = [{"method": "leaky_rerope", "window": TRAIN_LENGTH // 2, "log_n": True}]
 
 
 def is_candidate(settings: dict) -> bool:
@@ -144,7 +152,8 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
         return jobs
 
     ablation = [] if not (past and with_ablations) else [("loss", s, first_past) for s in ablations()]
-    search = [] if not (past and with_ablations) else losses(past + long, AUTO_CANDIDATES)
+    search = [] if not (past and with_ablations) else (losses(past + long, AUTO_CANDIDATES)
+                                                       + details(past + long, RETRIEVAL_CANDIDATES))
     return (search + losses(short, grid) + ablation + details(within, unsized) + losses(long, plain)
             + losses(long, scaled) + details(past, plain) + details(past, scaled) + details(long, plain)
             + details(long, scaled))
@@ -555,7 +564,8 @@ def ranked(values: dict[str, float], best: int, lowest_first: bool = True) -> di
 def within_training(losses: dict[tuple, float], labels: list[str], train: int) -> str:
     """The cost of each method inside the training length, against plain RoPE."""
     plain = losses[("none", train)]
-    costs = {name: losses[(name, train)] - plain for name in labels if name != "none" and name in METHODS}
+    costs = {name: losses[(name, train)] - plain for name in labels
+             if name != "none" and name in METHODS and (name, train) in losses}
     return (f"Within training ({length_name(train)}), each method's loss against plain RoPE's ({plain:.3f}): "
             f"{listed(costs, '{:+.3f}')}.")
 
@@ -592,7 +602,8 @@ def retrieval(rows: dict[tuple, dict], labels: list[str], longest: int) -> list[
     if not measured:
         return []
     found = {name: rows[(name, longest)]["passkey_found"] for name in measured}
-    repeat = {name: rows[(name, longest)]["repeat_accuracy"] for name in measured}
+    repeat = {name: rows[(name, longest)]["repeat_accuracy"] for name in measured
+              if rows[(name, longest)].get("repeat_accuracy") is not None}
     trials = rows[(measured[0], longest)]["passkey_trials"]
     some = ranked({name: count for name, count in found.items() if count}, len(found), lowest_first=False)
     return [f"Passkeys found at {length_name(longest)} (of {trials}): {listed(some, '{}')}; 0 for "

@@ -33,12 +33,11 @@ class ServerConfig(BaseModel):
     max_model_len: int = Field(32768, description="longest prompt + completion served, in tokens")
     method: Literal["auto", *METHOD_NAMES] = Field(  # type: ignore[valid-type]
         AUTO, description="default extension method; 'auto' = plain RoPE within the training length, beyond it "
-                          "Self-Extend with window L/2 and a group sized to the request (server/auto.py)")
+                          "the evaluated rule of server/auto.py")
     auto_method: Literal[*METHOD_NAMES] | None = Field(  # type: ignore[valid-type]
         None, description="what 'auto' uses past the training length instead of its rule (that method's defaults)")
-    # log-n raised Self-Extend's loss past training in the evaluation (bench/README.md)
-    auto_log_n: bool = Field(False, description="log-n query scaling when 'auto' goes past the training length "
-                                                "(unless the request sets log_n)")
+    auto_log_n: bool = Field(True, description="log-n query scaling with --auto-method past the training length "
+                                               "(unless the request sets log_n)")
     window: int | None = Field(None, description="default ReRoPE window (default: training length / 4)")
     factor: float | Literal["auto"] | None = Field(
         None, description="default scale factor of the frequency methods; 'auto' sizes it to each request: "

@@ -104,7 +104,7 @@ class EngineService:
         # the engine's own default factor stays a number: the server resolves 'auto' for every request
         engine_default = {k: v for k, v in config.extension_defaults().items()
                           if k != "method" and not (k == "factor" and v == AUTO)}
-        engine_default["method"] = (config.auto_method or "self_extend") if config.method == AUTO else config.method
+        engine_default["method"] = (config.auto_method or "rerope") if config.method == AUTO else config.method
         if engine_default["method"] in ("none",) and not config.log_n:
             engine_default["method"] = "rerope"  # the engine serves past the training length; requests choose
         kwargs = engine_kwargs(
@@ -134,8 +134,11 @@ class EngineService:
             self.rotary = checkpoint_rotary(hf_config)
             self.state = "ready"
             config = self.config
-            auto = (f"; auto past training: {config.auto_method or 'self_extend (window L/2, group sized to the request)'}"
-                    f"{' with log_n' if config.auto_log_n_past_training else ''}" if config.method == AUTO else "")
+            auto = ""
+            if config.method == AUTO:
+                auto = "; auto past training: " + (
+                    f"{config.auto_method}{' with log_n' if config.auto_log_n_past_training else ''}"
+                    if config.auto_method else "the evaluated rule (server/auto.py)")
             logger.info("engine ready in %.0f s: model %r, trained at %d tokens, serving up to %d; default "
                         "extension %s%s", time.perf_counter() - began, self.model_name, self.defaults.train_length,
                         config.max_model_len, config.extension_defaults(), auto)
@@ -198,9 +201,9 @@ class EngineService:
     def resolve_settings(self, fields: dict[str, Any], prompt_tokens: int, max_tokens: int) -> ExtensionSettings:
         """The request's settings: server defaults overridden by ``fields``. ``auto`` is
         :func:`auto_settings` for the positions the request occupies (:func:`positions_used`),
-        or past the training length ``--auto-method`` at its defaults; fields the request sets
-        itself stay, and log-n past training follows ``--auto-log-n`` unless the request sets
-        ``log_n``. A ``factor`` of ``auto`` becomes what those positions need (:func:`length_factor`)."""
+        or past the training length ``--auto-method`` at its defaults (log-n under
+        ``--auto-log-n``); the fields the request sets itself stay. A ``factor`` of ``auto``
+        becomes what those positions need (:func:`length_factor`)."""
         merged = {**self.config.extension_defaults(), **fields}
         positions = positions_used(prompt_tokens, max_tokens)
         merged = with_factor_resolved(merged, positions, self.defaults)
@@ -209,14 +212,10 @@ class EngineService:
             if type(train_length) is not int or not 1 < train_length <= MAX_POSITIONS:
                 chosen = {"method": self.config.auto_method or "none"}  # train_length's own error comes next
             elif positions <= train_length or self.config.auto_method is None:
-                window = fields.get("window")
-                own_window = window if type(window) is int and 0 < window < train_length else None
-                chosen = auto_settings(positions, train_length, own_window)
+                chosen = auto_settings(positions, train_length)
             else:
-                chosen = {"method": self.config.auto_method}
+                chosen = {"method": self.config.auto_method, "log_n": self.config.auto_log_n_past_training}
             merged.update({name: value for name, value in chosen.items() if name == "method" or name not in fields})
-            if chosen["method"] != "none" and "log_n" not in fields:
-                merged["log_n"] = self.config.auto_log_n_past_training
         try:
             settings = parse_settings(merged, self.defaults)
             longest = max(self.config.max_model_len, self.train_length)

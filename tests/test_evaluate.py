@@ -28,10 +28,14 @@ def test_the_plan_holds_every_measurement_once(full_plan):
     within = 2 * methods * (1 + 6)  # repeat and 6 passkeys at 4k and 8k: not for log_n or factor auto (identities)
     past = 2 * (plain + scaled) * (1 + 6)  # everything at 16k and 32k
     search = 2 * len(evaluate.AUTO_CANDIDATES)  # auto's candidates at 16k and 32k
-    assert len(full_plan) == losses + within + past + len(evaluate.ablations()) + search
+    retrieval = 2 * (1 + 6) * len(evaluate.RETRIEVAL_CANDIDATES)  # and some of them with repeat and passkeys
+    assert len(full_plan) == losses + within + past + len(evaluate.ablations()) + search + retrieval
 
 
 def test_the_plan_runs_the_loss_curves_first(full_plan):
+    search = 2 * len(evaluate.AUTO_CANDIDATES) + 2 * (1 + 6) * len(evaluate.RETRIEVAL_CANDIDATES)
+    assert all(evaluate.is_candidate(job[1]) for job in full_plan[:search])  # auto's search first of all
+    full_plan = full_plan[search:]
     tests = [job[0] for job in full_plan]
     first_detail = min(tests.index("repeat"), tests.index("passkey"))
     early_losses = {(evaluate.label(job[1]), job[2]) for job in full_plan[:first_detail]}
@@ -43,11 +47,8 @@ def test_the_plan_runs_the_loss_curves_first(full_plan):
     assert all(job[0] == "loss" for job in full_plan[:min(tests_past)] if job[2] > evaluate.TRAIN_LENGTH)
     assert {(evaluate.label(job[1]), job[2]) for job in full_plan if job[0] == "loss"} <= {
         (evaluate.label(job[1]), job[2]) for job in full_plan[:min(tests_past)] if job[0] == "loss"}
-    # the ablations come with the first length past training; auto's search first of all
-    assert all(job[2] == 16384 for job in full_plan
-               if evaluate.is_ablation({"settings": job[1]}) and not evaluate.is_candidate(job[1]))
-    search = 2 * len(evaluate.AUTO_CANDIDATES)
-    assert all(evaluate.is_candidate(job[1]) for job in full_plan[:search])
+    # the ablations come with the first length past training
+    assert all(job[2] == 16384 for job in full_plan if evaluate.is_ablation({"settings": job[1]}))
 
 
 def test_log_n_is_only_a_loss_check_within_training(full_plan):

@@ -167,21 +167,20 @@ def test_auto_is_plain_rope_inside_the_training_length_and_the_extension_beyond(
     beyond = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello " * 40, max_tokens=40,
         extra_body={"context_extension": {"method": "auto", "train_length": 64}, "ignore_eos": True})
-    # Self-Extend, window 32 and the smallest group keeping the far positions under 64: with
-    # 41 prompt tokens and 40 new ones it spans 80 positions, ⌊79/2⌋ + 32 - 16 = 55 < 64 (g = 1: 79)
+    # 41 prompt tokens and 40 new ones span 80 positions, up to 2 L: Leaky ReRoPE, window L/2,
+    # log-n (server/auto.py); log-n names the training length it divides by
     answer = beyond.parse()
     assert answer.usage.prompt_tokens == 41
-    assert json.loads(beyond.headers["x-context-extension"]) == {"method": "self_extend", "window": 32, "group": 2}
+    assert json.loads(beyond.headers["x-context-extension"]) == {"method": "leaky_rerope", "window": 32,
+                                                                 "leaky_k": 16.0, "log_n": True, "train_length": 64}
     # and it generates there: 40 tokens of text, past the pretend training length
     assert answer.choices[0].text.strip() and answer.choices[0].finish_reason == "length"
     assert answer.usage.completion_tokens == 40
-    # the request's own fields stay (log-n, a window); the group still follows its length
-    # (161 positions: ⌊160/4⌋ + 20 - 5 = 55 < 64; g = 2: 95)
+    # past 2 L (161 positions) ReRoPE with log-n; the request's own fields stay (log-n off, a window)
     own = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello " * 160, max_tokens=1,
-        extra_body={"context_extension": {"method": "auto", "train_length": 64, "window": 20, "log_n": True}})
-    assert json.loads(own.headers["x-context-extension"]) == {"method": "self_extend", "window": 20, "group": 4,
-                                                              "log_n": True, "train_length": 64}
+        extra_body={"context_extension": {"method": "auto", "train_length": 64, "window": 20, "log_n": False}})
+    assert json.loads(own.headers["x-context-extension"]) == {"method": "rerope", "window": 20}
 
 
 def test_auto_factor_is_sized_to_the_request_and_reported(client):
