@@ -43,6 +43,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -248,26 +249,32 @@ class Evaluator:
             out.write(json.dumps(record) + "\n")
         return record
 
-    def score(self, prompt: list[int], settings: dict, scored: int) -> tuple[float, float]:
-        """Mean NLL and top-1 accuracy of the last ``scored`` prompt tokens."""
-        answer = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=1, temperature=0,
-                                                echo=True, logprobs=1, extra_body={"context_extension": settings})
+    def complete(self, prompt: list[int], settings: dict, **fields) -> tuple[Any, dict]:
+        """The completion and the settings the server applied (its x-context-extension header:
+        what ``auto`` and ``factor: "auto"`` resolved to)."""
+        raw = self.client.completions.with_raw_response.create(
+            model=self.model, prompt=prompt, temperature=0, extra_body={"context_extension": settings}, **fields)
+        return raw.parse(), json.loads(raw.headers["x-context-extension"])
+
+    def score(self, prompt: list[int], settings: dict, scored: int) -> tuple[float, float, dict]:
+        """Mean NLL and top-1 accuracy of the last ``scored`` prompt tokens, and the settings applied."""
+        answer, applied = self.complete(prompt, settings, max_tokens=1, echo=True, logprobs=1)
         logprobs = answer.choices[0].logprobs
         chosen = logprobs.token_logprobs[len(prompt) - scored: len(prompt)]
         tops = logprobs.top_logprobs[len(prompt) - scored: len(prompt)]
         nll = -statistics.fmean(chosen)
         accuracy = statistics.fmean(1.0 if lp >= max(top.values()) - 1e-6 else 0.0 for lp, top in zip(chosen, tops))
-        return nll, accuracy
+        return nll, accuracy, applied
 
     def loss(self, settings: dict, length: int) -> dict:
         end = max(length, LOSS_TEXT_END)
-        nll, accuracy = self.score(self.tokens[end - length: end], settings, min(SCORED_TOKENS, length - 1))
-        return {"nll": nll, "accuracy": accuracy, "text_end": end}
+        nll, accuracy, applied = self.score(self.tokens[end - length: end], settings, min(SCORED_TOKENS, length - 1))
+        return {"nll": nll, "accuracy": accuracy, "text_end": end, "applied": applied}
 
     def repeat(self, settings: dict, length: int) -> dict:
         half = self.tokens[50_000: 50_000 + length // 2]  # another passage than the loss text
-        _, accuracy = self.score(half + half, settings, min(SCORED_TOKENS, len(half) - 1))
-        return {"accuracy": accuracy}
+        _, accuracy, applied = self.score(half + half, settings, min(SCORED_TOKENS, len(half) - 1))
+        return {"accuracy": accuracy, "applied": applied}
 
     def passkey(self, settings: dict, length: int, depth: float, sample: int) -> dict:
         key = str(random.Random(f"{length}-{depth}-{sample}").randrange(10_000, 100_000))
@@ -276,10 +283,9 @@ class Evaluator:
         room = length - len(needle) - len(question)
         at = int(room * depth)
         prompt = self.filler[:at] + needle + self.filler[at:room] + question
-        answer = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=8, temperature=0,
-                                                extra_body={"context_extension": settings})
+        answer, applied = self.complete(prompt, settings, max_tokens=8)
         text = answer.choices[0].text
-        return {"found": key in text, "depth": depth, "answer": text}
+        return {"found": key in text, "depth": depth, "answer": text, "applied": applied}
 
 
 def is_current(record: dict) -> bool:
