@@ -8,8 +8,8 @@ the lowest loss among those that found every passkey.
 
 Lower losses were measured, but not with every passkey found: Self-Extend (window L/2 or 3L/4,
 the smallest group keeping far positions inside training) scored below plain RoPE's own loss at
-8k at both lengths and found 2 and 1 of 6 passkeys. A request that only scores or continues text
-may ask for it (``{"method": "self_extend", "window": ..., "group": ...}``).
+8k at both lengths and found 2 of 6 passkeys at each. A request that only scores or continues
+text may ask for it (``{"method": "self_extend", "window": ..., "group": ...}``).
 """
 
 from __future__ import annotations

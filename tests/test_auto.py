@@ -49,4 +49,5 @@ def test_its_choice_is_the_lowest_loss_that_found_every_passkey(length):
     chosen = short_label(auto_settings(length, 8192), 8192)
     assert chosen in found_all, f"{chosen} did not find every passkey at {length}: {sorted(found_all)}"
     assert found_all[chosen] == min(found_all.values()), sorted(found_all.items(), key=lambda item: item[1])[:3]
-    assert rows[("auto", length)]["nll"] == pytest.approx(found_all[chosen], abs=1e-9)
+    # to float32 noise: the setting's own row may come from another run (another machine, session)
+    assert rows[("auto", length)]["nll"] == pytest.approx(found_all[chosen], abs=1e-5)
