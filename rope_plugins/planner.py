@@ -243,9 +243,8 @@ def kernel_plan(tables: RowTables, *, query_start_cpu: torch.Tensor, query_start
                 query_tile: int = QUERY_TILE, min_split_keys: int = MIN_SPLIT_KEYS) -> KernelPlan:
     """The step's :class:`KernelPlan`. ``tables`` row i is batch row i (CPU); the batch's
     tensors are on the device already; only the row starts are read on the host."""
-    if bool((tables.dynamic_length[: seq_lens.numel()] > 0).any()):  # only then seq_lens are read on the host
-        pieces = dynamic_sub_rows(tables, query_start_cpu[: seq_lens.numel() + 1].to(torch.int64),
-                                  seq_lens.to("cpu", torch.int64))
+    pieces = dynamic_sub_rows(tables, query_start_cpu[: seq_lens.numel() + 1].to(torch.int64), seq_lens)
+    if pieces is not None:
         tables, query_start_cpu = pieces.tables, pieces.starts.to(query_start_cpu.dtype)
         query_start = query_start_cpu.to(query_start.device)
         seq_lens = pieces.seq_lens.to(seq_lens.device, seq_lens.dtype)
@@ -292,11 +291,13 @@ def dynamic_sub_rows(tables: RowTables, starts: torch.Tensor, seq_lens: torch.Te
     each ntk_dynamic row's queries cut at the positions ``L + j step`` where its factor steps
     (:func:`rotary.dynamic_length`), each piece at its own ``θ k^(-e)``; None without such a row.
     A piece attends to keys up to its own last query, as any causal row; pieces are consecutive
-    in the token order, so outputs land where the row's would."""
+    in the token order, so outputs land where the row's would. ``seq_lens`` may be on a device:
+    it is read on the host only when there is such a row."""
     rows = seq_lens.numel()
     train_lengths = tables.dynamic_length[:rows]
     if not bool((train_lengths > 0).any()):
         return None
+    seq_lens = seq_lens.to("cpu", torch.int64)
     piece_starts, piece_ends, batch_row = [], [], []
     for r in range(rows):
         end, first_token = int(seq_lens[r]), int(starts[r])

@@ -128,12 +128,12 @@ def oracle_query_frequencies(settings: ExtensionSettings, head_dim: int, base: f
     (:func:`oracle_dynamic_length` of the ``m + 1`` tokens seen); every other method has one θ."""
     if settings.method != "ntk_dynamic":
         return oracle_frequencies(settings, head_dim, base, rope).expand(positions.numel(), -1)
-    plain = oracle_checkpoint(None, head_dim, base)[0]
+    on_checkpoint = oracle_checkpoint(rope, head_dim, base)[0] / oracle_checkpoint(None, head_dim, base)[0]
     rows = []
     for m in positions.tolist():
         scaled_base = base * (oracle_dynamic_length(settings, m + 1) / settings.train_length) ** (head_dim / (head_dim - 2))
         dynamic = torch.tensor([scaled_base ** (-2 * i / head_dim) for i in range(head_dim // 2)], dtype=torch.float64)
-        rows.append(oracle_checkpoint(rope, head_dim, base)[0] * dynamic / plain)
+        rows.append(dynamic * on_checkpoint)
     return torch.stack(rows)
 
 

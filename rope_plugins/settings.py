@@ -142,6 +142,11 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
         raise SettingsError(field, _readable(first)) from None
 
 
+def is_train_length(value: Any) -> bool:
+    """Whether a request's raw ``train_length`` is valid (before :func:`parse_settings` says why not)."""
+    return type(value) is int and 1 < value <= MAX_POSITIONS
+
+
 def positions_used(prompt_tokens: int, max_tokens: int) -> int:
     """How many positions a request's tokens occupy: the prompt's and every generated token's
     but the last, which is sampled and never run through the model. A request with
@@ -164,7 +169,7 @@ def with_factor_resolved(fields: dict[str, Any], positions: int, defaults: Exten
     if not isinstance(fields, dict) or fields.get("factor") != AUTO:
         return fields
     train_length = fields.get("train_length", defaults.train_length)
-    if type(train_length) is not int or not 1 < train_length <= MAX_POSITIONS:
+    if not is_train_length(train_length):
         return {name: value for name, value in fields.items() if name != "factor"}  # train_length's error is the one
     return {**fields, "factor": length_factor(positions, train_length)}
 

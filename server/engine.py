@@ -21,8 +21,8 @@ from vllm.sampling_params import RequestOutputKind
 
 from rope_plugins.checkpoint import CheckpointRotary, checkpoint_rotary
 from rope_plugins.engine import engine_kwargs, extension_request
-from rope_plugins.settings import (MAX_POSITIONS, ExtensionSettings, SettingsError, engine_defaults, parse_settings,
-                                   positions_used, with_factor_resolved)
+from rope_plugins.settings import (ExtensionSettings, SettingsError, engine_defaults, is_train_length,
+                                   parse_settings, positions_used, with_factor_resolved)
 
 from .auto import auto_settings
 from .config import AUTO, ServerConfig
@@ -209,7 +209,7 @@ class EngineService:
         merged = with_factor_resolved(merged, positions, self.defaults)
         if merged.get("method") == AUTO:
             train_length = merged.get("train_length", self.train_length)
-            if type(train_length) is not int or not 1 < train_length <= MAX_POSITIONS:
+            if not is_train_length(train_length):
                 chosen = {"method": self.config.auto_method or "none"}  # train_length's own error comes next
             elif positions <= train_length or self.config.auto_method is None:
                 chosen = auto_settings(positions, train_length)
