@@ -22,6 +22,9 @@ methods also with ``factor: "auto"``; and the server's ``auto``) and context len
   of training), Self-Extend's group (4, 8, 16), ntk_mixed's beta; and the search for
   ``auto``'s setting (:data:`AUTO_CANDIDATES`, at every length past training).
 
+``factor: "auto"`` is measured where it is not the fixed factor: at 32k it resolves to 4, the
+fixed rows' setting (:func:`is_the_fixed_factor`), and those rows stand for it.
+
 The text is CPython's own documentation (``--corpus`` swaps it: ``stdlib`` or any text
 file/directory). Each measurement is appended to ``bench/results/eval_runs.jsonl`` as it
 finishes and skipped when found there, so a long run can be stopped and resumed; the summary
@@ -45,6 +48,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from rope_plugins.settings import AUTO, ExtensionSettings, length_factor, positions_used
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope", "self_extend",
@@ -59,6 +64,8 @@ SCORED_TOKENS = 4096
 # method failing, not a harder passage.
 LOSS_TEXT_END = 32768
 TESTS = ["loss", "repeat", "passkey"]
+PASSKEY_ANSWER_TOKENS = 8
+FIXED_FACTOR = ExtensionSettings.model_fields["factor"].default  # the frequency methods' factor when a request names none
 # the classic passkey haystack: the 135M model does not find a needle in real documentation
 # text even within its training length
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -109,11 +116,26 @@ AUTO_CANDIDATES = [
 
 # Self-Extend loses the passkeys (auto's own row): the candidates whose retrieval is measured
 # too, for the trade-off between the loss and finding a fact far back
-RETRIEVAL_CANDIDATES = [{"method": "leaky_rerope", "window": TRAIN_LENGTH // 2, "log_n": True}]
+RETRIEVAL_CANDIDATES = [{"method": "leaky_rerope", "window": TRAIN_LENGTH // 2, "log_n": True},
+                        # the one Self-Extend candidate within the target at 32k whose retrieval was unmeasured
+                        {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 8}]
 
 
 def is_candidate(settings: dict) -> bool:
     return settings in AUTO_CANDIDATES
+
+
+def is_the_fixed_factor(job: tuple) -> bool:
+    """Whether a ``factor: "auto"`` job's request resolves to its method's fixed factor, to 1%:
+    at 32k, four times the training length, a loss or repeat request spans exactly factor 4's
+    positions (the same computation as the fixed row's) and a passkey's answer tokens move it by
+    0.1%. Those rows would measure the fixed rows again; they are not planned."""
+    test, settings, length = job[:3]
+    if settings.get("factor") != AUTO:
+        return False
+    answer = PASSKEY_ANSWER_TOKENS if test == "passkey" else 1
+    resolved = length_factor(positions_used(length, answer), TRAIN_LENGTH)
+    return abs(resolved / FIXED_FACTOR - 1) <= 0.01
 
 
 def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, with_ablations: bool = True) -> list[tuple]:
@@ -155,9 +177,10 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, w
     ablation = [] if not (past and with_ablations) else [("loss", s, first_past) for s in ablations()]
     search = [] if not (past and with_ablations) else (losses(past + long, AUTO_CANDIDATES)
                                                        + details(past + long, RETRIEVAL_CANDIDATES))
-    return (search + losses(short, grid) + ablation + details(within, unsized) + losses(long, plain)
+    jobs = (search + losses(short, grid) + ablation + details(within, unsized) + losses(long, plain)
             + losses(long, scaled) + details(past, plain) + details(past, scaled) + details(long, plain)
             + details(long, scaled))
+    return [job for job in jobs if not is_the_fixed_factor(job)]
 
 
 def job_key(job: tuple) -> tuple:
@@ -283,7 +306,7 @@ class Evaluator:
         room = length - len(needle) - len(question)
         at = int(room * depth)
         prompt = self.filler[:at] + needle + self.filler[at:room] + question
-        answer, applied = self.complete(prompt, settings, max_tokens=8)
+        answer, applied = self.complete(prompt, settings, max_tokens=PASSKEY_ANSWER_TOKENS)
         text = answer.choices[0].text
         return {"found": key in text, "depth": depth, "answer": text, "applied": applied}
 

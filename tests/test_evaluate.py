@@ -24,9 +24,10 @@ def test_the_plan_holds_every_measurement_once(full_plan):
     methods, sized = len(evaluate.METHODS), len(evaluate.SIZED_METHODS)
     plain = methods + sized  # each method at its defaults; the frequency methods also with factor "auto"
     scaled = plain - 1  # with log_n: all but auto, which decides log_n itself
-    losses = 4 * (plain + scaled)
+    fixed = 2 * sized  # factor auto at 32k is the fixed factor 4, with log_n and without: not measured again
+    losses = 4 * (plain + scaled) - fixed
     within = 2 * methods * (1 + 6)  # repeat and 6 passkeys at 4k and 8k: not for log_n or factor auto (identities)
-    past = 2 * (plain + scaled) * (1 + 6)  # everything at 16k and 32k
+    past = 2 * (plain + scaled) * (1 + 6) - fixed * (1 + 6)  # everything at 16k and 32k
     search = 2 * len(evaluate.AUTO_CANDIDATES)  # auto's candidates at 16k and 32k
     retrieval = 2 * (1 + 6) * len(evaluate.RETRIEVAL_CANDIDATES)  # and some of them with repeat and passkeys
     assert len(full_plan) == losses + within + past + len(evaluate.ablations()) + search + retrieval
@@ -54,6 +55,15 @@ def test_the_plan_runs_the_loss_curves_first(full_plan):
 def test_log_n_is_only_a_loss_check_within_training(full_plan):
     within = [job for job in full_plan if job[1].get("log_n") and job[2] <= evaluate.TRAIN_LENGTH]
     assert within and {job[0] for job in within} == {"loss"}
+
+
+def test_factor_auto_is_measured_where_it_is_not_the_fixed_factor(full_plan):
+    sized = {(job[0], job[2]) for job in full_plan if job[1].get("factor") == "auto"}
+    assert ("passkey", 16384) in sized and ("loss", 8192) in sized  # factor 2, and 1 (plain RoPE's check)
+    assert not {length for _, length in sized} & {32768}  # factor 4 (4.0009 with a passkey's answer)
+    assert evaluate.is_the_fixed_factor(("passkey", {"method": "yarn", "factor": "auto"}, 32768, 0.5, 0))
+    assert not evaluate.is_the_fixed_factor(("loss", {"method": "yarn"}, 32768))
+    assert not evaluate.is_the_fixed_factor(("loss", {"method": "yarn", "factor": "auto"}, 30000))
 
 
 def test_passkey_trials_go_deepest_first(full_plan):
