@@ -65,6 +65,7 @@ SCORED_TOKENS = 4096
 LOSS_TEXT_END = 32768
 TESTS = ["loss", "repeat", "passkey"]
 PASSKEY_ANSWER_TOKENS = 8
+SCORING_ANSWER_TOKENS = 1  # loss and repeat score the prompt (echo) and generate one token
 FIXED_FACTOR = ExtensionSettings.model_fields["factor"].default  # the frequency methods' factor when a request names none
 # the classic passkey haystack: the 135M model does not find a needle in real documentation
 # text even within its training length
@@ -133,7 +134,7 @@ def is_the_fixed_factor(job: tuple) -> bool:
     test, settings, length = job[:3]
     if settings.get("factor") != AUTO:
         return False
-    answer = PASSKEY_ANSWER_TOKENS if test == "passkey" else 1
+    answer = PASSKEY_ANSWER_TOKENS if test == "passkey" else SCORING_ANSWER_TOKENS
     resolved = length_factor(positions_used(length, answer), TRAIN_LENGTH)
     return abs(resolved / FIXED_FACTOR - 1) <= 0.01
 
@@ -281,7 +282,8 @@ class Evaluator:
 
     def score(self, prompt: list[int], settings: dict, scored: int) -> tuple[float, float, dict]:
         """Mean NLL and top-1 accuracy of the last ``scored`` prompt tokens, and the settings applied."""
-        answer, applied = self.complete(prompt, settings, max_tokens=1, echo=True, logprobs=1)
+        answer, applied = self.complete(prompt, settings, max_tokens=SCORING_ANSWER_TOKENS, echo=True,
+                                        logprobs=1)
         logprobs = answer.choices[0].logprobs
         chosen = logprobs.token_logprobs[len(prompt) - scored: len(prompt)]
         tops = logprobs.top_logprobs[len(prompt) - scored: len(prompt)]
