@@ -422,14 +422,19 @@ def plot(summary: dict, path: Path) -> None:
     lines = len(lengths) > 1
     count = len(panels) + bool(compared) + lines  # + the legend's panel
     columns = min(count, 3)
-    figure, axes = plt.subplots(math.ceil(count / columns), columns, figsize=(5.5 * columns, 4.4 * math.ceil(count / columns)),
-                                squeeze=False)
+    heights = [4.4] * math.ceil(count / columns)
+    passkey_panel = next((i for i, (key, _) in enumerate(panels) if key == "passkey"), None)
+    if lines and passkey_panel is not None:  # the grid's row grows so each method's label has room
+        passkey_rows = len({r["label"] for r in main if r.get("passkey_trials")})
+        heights[passkey_panel // columns] = max(4.4, 0.2 * passkey_rows + 1.6)
+    figure, axes = plt.subplots(len(heights), columns, figsize=(5.5 * columns, sum(heights)), squeeze=False,
+                                gridspec_kw={"height_ratios": heights})
     axes = list(axes.flat)
     colours = dict(zip(METHODS, plt.cm.tab20.colors[0::2] + plt.cm.tab20.colors[1::2]))
 
     def bars(axis, shown, key, names):
         drawn = axis.bar(range(len(shown)), [r[key] for r in shown], color=[colours[method_of(r["label"])] for r in shown])
-        axis.bar_label(drawn, fmt="%.3f", fontsize=7)  # neighbours differ in the second decimal
+        axis.bar_label(drawn, fmt="%.3f", fontsize=7, rotation=90, padding=2)  # neighbours differ in the second decimal
         axis.set_xticks(range(len(shown)), names, rotation=40, ha="right", fontsize=8)
 
     for axis, (key, title) in zip(axes, panels):
@@ -471,7 +476,9 @@ def plot(summary: dict, path: Path) -> None:
         axis = axes[used]
         bars(axis, compared, "nll", [r["label"] if is_ablation(r) else ablation_default(r["label"]) + " (default)"
                                      for r in compared])
-        axis.set_title(f"ablations: loss at {ablation_length:,} tokens")
+        bottom = math.floor(min(r["nll"] for r in compared) * 10) / 10 - 0.1  # from 0, differences of 0.01 vanish
+        axis.set_ylim(bottom=bottom, top=max(r["nll"] for r in compared) + 0.1)
+        axis.set_title(f"ablations: loss at {ablation_length:,} tokens (axis from {bottom:.1f})")
         axis.grid(alpha=0.3)
         used += 1
     if lines:
