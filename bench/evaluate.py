@@ -352,6 +352,7 @@ def write_outputs(report: dict, out_dir: Path, stem: str) -> None:
     plot(report, out_dir / f"{stem}.png")
 
 
+PANEL_HEIGHT = 4.4  # inches, a row of panels
 PANELS = [("nll", "loss (NLL of the last 4k tokens)"), ("accuracy", "next-token accuracy, non-repeat"),
           ("repeat_accuracy", "next-token accuracy, repeat"), ("passkey", "passkey retrieval")]
 
@@ -386,10 +387,15 @@ def off_scale_limit(values: list[float]) -> float:
     return min(max(values), middle + 4 * (middle - low))
 
 
+def passkey_labels(rows: list[dict]) -> list[str]:
+    """The settings with passkey trials, in the rows' order: the passkey grid's rows."""
+    return list(dict.fromkeys(r["label"] for r in rows if r["passkey_trials"]))
+
+
 def passkey_grid(axis, rows: list[dict], lengths: list[int]) -> None:
     """Found / trials per method and length as a coloured grid: lines of many methods at
     6/6 would hide one another."""
-    names = list(dict.fromkeys(r["label"] for r in rows if r["passkey_trials"]))
+    names = passkey_labels(rows)
     by = {(r["label"], r["length"]): r for r in rows}
     share = [[by[name, n]["passkey"] if by.get((name, n), {}).get("passkey_trials") else math.nan for n in lengths]
              for name in names]
@@ -422,11 +428,10 @@ def plot(summary: dict, path: Path) -> None:
     lines = len(lengths) > 1
     count = len(panels) + bool(compared) + lines  # + the legend's panel
     columns = min(count, 3)
-    heights = [4.4] * math.ceil(count / columns)
+    heights = [PANEL_HEIGHT] * math.ceil(count / columns)
     passkey_panel = next((i for i, (key, _) in enumerate(panels) if key == "passkey"), None)
     if lines and passkey_panel is not None:  # the grid's row grows so each method's label has room
-        passkey_rows = len({r["label"] for r in main if r.get("passkey_trials")})
-        heights[passkey_panel // columns] = max(4.4, 0.2 * passkey_rows + 1.6)
+        heights[passkey_panel // columns] = max(PANEL_HEIGHT, 0.2 * len(passkey_labels(main)) + 1.6)
     figure, axes = plt.subplots(len(heights), columns, figsize=(5.5 * columns, sum(heights)), squeeze=False,
                                 gridspec_kw={"height_ratios": heights})
     axes = list(axes.flat)
