@@ -41,12 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .app import EXIT_ENGINE_FAILED, create_app
+    from .slow_clients import read_deadline_protocol
 
     logger.info("listening on http://%s:%d (the engine starts now; /health says when it is ready)%s",
                 config.host, config.port, "; the playground is at /" if config.playground else "")
     app = create_app(config, model)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           access_log=False, timeout_graceful_shutdown=config.shutdown_timeout))
+                                           access_log=False, timeout_graceful_shutdown=config.shutdown_timeout,
+                                           http=read_deadline_protocol(config.read_timeout)))
     app.state.stop_serving = lambda: setattr(server, "should_exit", True)
     server.run()
     if app.state.service.state == "failed":

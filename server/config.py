@@ -56,6 +56,8 @@ class ServerConfig(BaseModel):
     max_request_bytes: int = Field(4 << 20, ge=1024, description="largest request body accepted (bytes); larger is 413")
     max_logprob_entries: int = Field(1 << 20, ge=1, description="most log-probabilities one request may ask for "
                                                                  "(positions x choices x (top + 1))")
+    read_timeout: float = Field(30.0, gt=0, description="seconds a client gets to send its request headers, and "
+                                                      "between parts of its body; slower is 408 or closed")
     shutdown_timeout: float = Field(30.0, description="seconds running requests get to finish on SIGTERM")
     enforce_eager: bool = Field(False, description="skip torch.compile (faster start, slower steps)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism: GPUs per pipeline stage")
