@@ -1,11 +1,12 @@
 """The front end: building a vLLM engine that serves with the plugin, and requests for it.
 
-``engine_kwargs`` is the one place that configures vLLM for the plugin: the architecture
-override, the engine's default settings (in the model config, passed down to every worker),
-the served maximum length and the request-settings logits processor of the model runner vLLM
-will run. It is pure; the CPU cores the workers use are vLLM environment variables, set by
-:func:`compute_on_every_core`, which each program calls once at its start (the server's
-``main``, the benchmarks, the test fixtures).
+``plugin_engine_config`` is the one place that configures vLLM for the plugin: the
+architecture override, the engine's default settings (in the model config, passed down to every
+worker) and the served maximum length; ``engine_kwargs`` adds the request-settings logits
+processor of the model runner vLLM will run (:mod:`rope_plugins.serve` prints the same as
+``vllm serve`` flags). They are pure; the CPU cores the workers use are vLLM environment
+variables, set by :func:`compute_on_every_core`, which each program calls once at its start
+(the server's ``main``, the benchmarks, the test fixtures).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from vllm import SamplingParams
 
 from .checkpoint import UnsupportedCheckpoint, checkpoint_rotary
 from .plugin import FAMILIES, extended_architecture
-from .settings import (AUTO, CONFIG_KEY, EXTRA_ARGS_KEY, ExtensionSettings, SettingsError, parse_settings,
-                       positions_used, with_factor_resolved)
+from .settings import (AUTO, CONFIG_KEY, EXTRA_ARGS_KEY, SALTED_KEY, ExtensionSettings, SettingsError,
+                       parse_settings, positions_used, with_factor_resolved)
 from .tracker import RequestSettingsAdmission, RequestSettingsTracker
 
 
@@ -91,9 +92,14 @@ OPS_KEY = "rope_extend_attention_ops"
 ATTENTION_OPS = ("cpu", "triton")
 
 
-def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
-                  attention_ops: str | None = None, **engine: Any) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` serving ``model`` with the plugin.
+def plugin_engine_config(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
+                         attention_ops: str | None = None, hf_overrides: dict[str, Any] | None = None,
+                         additional_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's own engine arguments that serve ``model`` with the plugin: ``hf_overrides`` (the
+    plugin's architecture, the engine's default settings, ``max_position_embeddings``),
+    ``max_model_len`` and ``additional_config``. What :func:`engine_kwargs` passes in Python and
+    :mod:`rope_plugins.serve` prints as ``vllm serve`` flags; ``hf_overrides`` and
+    ``additional_config`` given are kept under the plugin's keys.
 
     ``defaults`` are the engine's extension settings (fields of ExtensionSettings), which
     requests override. Serving past the checkpoint's ``max_position_embeddings`` needs an
@@ -111,20 +117,39 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_mod
         raise ValueError(
             f"max_model_len {served} is past the checkpoint's training length {train_length}: "
             "choose a default extension method (defaults={'method': ...})")
-    overrides = dict(engine.pop("hf_overrides", None) or {})
-    overrides.update({
-        "architectures": [extended_architecture(architecture)],
-        CONFIG_KEY: settings.model_dump(),
-        "max_position_embeddings": max(served, train_length),
-    })
+    overrides = {**(hf_overrides or {}),
+                 "architectures": [extended_architecture(architecture)],
+                 CONFIG_KEY: settings.model_dump(),
+                 "max_position_embeddings": max(served, train_length)}
+    additional = dict(additional_config or {})
     if attention_ops is not None:
-        engine["additional_config"] = {**(engine.get("additional_config") or {}), OPS_KEY: attention_ops}
-    # V1: the tracker keeps the batch rows' settings and refuses bad ones at admission. V2 keeps
-    # them in the model's state (rope_plugins.model_state) and would reject a V1 processor:
-    # there a V2 one only refuses.
-    settings_processor = RequestSettingsAdmission if v2_model_runner() else RequestSettingsTracker
-    processors = [settings_processor, *(engine.pop("logits_processors", None) or [])]
-    return dict(model=model, hf_overrides=overrides, max_model_len=served, logits_processors=processors, **engine)
+        additional[OPS_KEY] = attention_ops
+    return dict(hf_overrides=overrides, max_model_len=served, additional_config=additional)
+
+
+def settings_processor(v1: type, v2: type) -> type:
+    """The settings processor of the model runner vLLM will run. V1: the tracker keeps the batch
+    rows' settings and refuses bad ones at admission. V2 keeps them in the model's state
+    (rope_plugins.model_state) and would reject a V1 processor: there a V2 one only refuses."""
+    return v2 if v2_model_runner() else v1
+
+
+def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
+                  attention_ops: str | None = None, **engine: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` serving ``model`` with the plugin
+    (:func:`plugin_engine_config`; ``engine`` is passed on), each request taking its own settings.
+
+    The caller salts every request's prefix cache by its settings (:func:`extension_request`
+    does): the engine is marked so (``SALTED_KEY``), and its workers refuse to start with prefix
+    caching on without that mark (:func:`rope_plugins.tracker.check_settings_policy`).
+    """
+    config = plugin_engine_config(model, defaults=defaults, max_model_len=max_model_len, attention_ops=attention_ops,
+                                  hf_overrides=engine.pop("hf_overrides", None),
+                                  additional_config=engine.pop("additional_config", None))
+    config["additional_config"][SALTED_KEY] = True
+    processors = [settings_processor(RequestSettingsTracker, RequestSettingsAdmission),
+                  *(engine.pop("logits_processors", None) or [])]
+    return dict(model=model, **config, logits_processors=processors, **engine)
 
 
 def salted_prompt(prompt: dict[str, Any], settings: ExtensionSettings) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from vllm.v1.attention.backend import AttentionType
 from .attention import RopeExtendAttentionBackend
 from .checkpoint import UnsupportedCheckpoint, checkpoint_rotary
 from .plugin import extended_architecture
+from .tracker import check_settings_policy
 
 
 class PassThroughRotary(nn.Module):
@@ -76,6 +77,7 @@ def extended(stock: type[nn.Module]) -> type[nn.Module]:
         if getattr(hf_config, "dual_chunk_attention_config", None):
             raise UnsupportedCheckpoint("dual-chunk attention configs are not served")
         checkpoint_rotary(hf_config)  # refuses, naming why, a rotary the plugin cannot apply exactly
+        check_settings_policy(vllm_config)  # no request reads K/V cached under other settings
         stock.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
         move_rotation_into_attention(self, vllm_config)
 

@@ -5,8 +5,11 @@ The same object is built from server flags (the defaults), from a request's
 raises :class:`SettingsError`, which names the field and says why. The methods and the fields
 each one uses come from :data:`rope_plugins.methods.METHODS`.
 
-A request's settings travel in ``SamplingParams.extra_args[EXTRA_ARGS_KEY]``; the engine's
-defaults in the model config (``hf_config.rope_extension``), which every worker receives.
+A request's settings travel in ``SamplingParams.extra_args``: as one object under
+``EXTRA_ARGS_KEY`` (what the project's server writes), or as flat ``context_extension.<field>``
+keys (what a client of stock ``vllm serve`` can send in ``vllm_xargs``, whose values are flat);
+the engine's defaults in the model config (``hf_config.rope_extension``), which every worker
+receives.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
 AUTO = "auto"  # a factor sized to the request at admission (length_factor)
 EXTRA_ARGS_KEY = "context_extension"  # SamplingParams.extra_args key of a request's settings
 CONFIG_KEY = "rope_extension"  # hf_config attribute (set through hf_overrides): the engine's defaults
+# extra_args keys "context_extension.<field>": one field each (vllm_xargs, which takes no objects)
+FLAT_PREFIX = EXTRA_ARGS_KEY + "."
+# additional_config key: the engine's front end salts every request's prefix cache by its settings
+# (rope_plugins.engine.extension_request does); see tracker.check_settings_policy
+SALTED_KEY = "rope_extension_salted_requests"
 
 
 # The largest training length (and so window) a setting may name: past any context served
@@ -51,7 +59,12 @@ class SettingsError(ValueError):
     def __init__(self, field: str, reason: str):
         self.field = field
         self.reason = reason
-        super().__init__(f"context_extension.{field}: {reason}")
+        super().__init__(f"{self.parameter}: {reason}")
+
+    @property
+    def parameter(self) -> str:
+        """The request parameter at fault: ``context_extension.<field>``, or the whole object."""
+        return f"{EXTRA_ARGS_KEY}.{self.field}" if self.field else EXTRA_ARGS_KEY
 
 
 class ExtensionSettings(BaseModel):
@@ -174,9 +187,22 @@ def with_factor_resolved(fields: dict[str, Any], positions: int, defaults: Exten
     return {**fields, "factor": length_factor(positions, train_length)}
 
 
-def request_fields(params: Any) -> dict[str, Any] | None:
-    """A request's own (partial) settings, from its ``SamplingParams``."""
-    return (params.extra_args or {}).get(EXTRA_ARGS_KEY)
+def request_fields(params: Any) -> Any:
+    """A request's own (partial) settings, from its ``SamplingParams``: the object under
+    ``context_extension``, or the flat ``context_extension.<field>`` keys gathered into one
+    (a JSON ``true`` / ``false`` reaches ``vllm_xargs`` as 1 / 0: ``log_n`` takes them back);
+    None when it names none. Both forms at once raise :class:`SettingsError`."""
+    extra = params.extra_args or {}
+    flat = {key[len(FLAT_PREFIX):]: value for key, value in extra.items()
+            if isinstance(key, str) and key.startswith(FLAT_PREFIX)}
+    if not flat:
+        return extra.get(EXTRA_ARGS_KEY)
+    if EXTRA_ARGS_KEY in extra:
+        raise SettingsError("", f"give the settings as one {EXTRA_ARGS_KEY!r} object or as "
+                                f"'{FLAT_PREFIX}<field>' keys, not both")
+    if type(flat.get("log_n")) is int and flat["log_n"] in (0, 1):
+        flat["log_n"] = bool(flat["log_n"])
+    return flat
 
 
 def validate_request_fields(fields: Any) -> None:

@@ -15,17 +15,22 @@ loop over requests. vLLM has two runners and each tells a different object about
 
 :func:`step_tables` gives the builder the step's rows in batch order on either runner. Bad
 settings are refused at admission by ``validate_params``: the tracker's on V1,
-:class:`RequestSettingsAdmission`'s on V2.
+:class:`RequestSettingsAdmission`'s on V2. Both admit any valid settings, for a front end that
+salts each request's prefix cache by its settings (``engine_kwargs``' callers); under stock
+``vllm serve`` :mod:`rope_plugins.serve`'s subclasses admit only what cannot share blocks
+computed under other settings. :func:`check_settings_policy` refuses, at engine start, an
+engine guarded by neither.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import logging
 import weakref
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from vllm import SamplingParams
@@ -35,8 +40,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
 from .checkpoint import CheckpointRotary, checkpoint_rotary
 from .methods import inv_freq, method_of
-from .settings import (EXTRA_ARGS_KEY, ExtensionSettings, SettingsError, engine_defaults, parse_settings,
-                       request_fields, validate_request_fields)
+from .settings import (SALTED_KEY, ExtensionSettings, SettingsError, engine_defaults, parse_settings, request_fields,
+                       validate_request_fields)
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -124,7 +129,7 @@ def refuse_bad_settings(sampling_params: SamplingParams) -> None:
     try:
         validate_request_fields(request_fields(sampling_params))
     except SettingsError as error:
-        raise VLLMValidationError(str(error), parameter=f"{EXTRA_ARGS_KEY}.{error.field}") from None
+        raise VLLMValidationError(str(error), parameter=error.parameter) from None
 
 
 class RequestRows:
@@ -196,6 +201,11 @@ def step_tables(vllm_config, common: CommonAttentionMetadata) -> RowTables:
 class RequestSettingsTracker(RequestRows, LogitsProcessor):
     """V1 runner: keeps the batch rows' settings for the attention builder; leaves logits alone."""
 
+    # Whether validate_params itself refuses settings that could read prefix-cache blocks computed
+    # under other settings (rope_plugins.serve's processors). This one admits any valid settings:
+    # safe where the front end salts every request by its settings, or prefix caching is off.
+    guards_prefix_cache: ClassVar[bool] = False
+
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         RequestRows.__init__(self, vllm_config)
 
@@ -241,6 +251,8 @@ class RequestSettingsAdmission(V2LogitsProcessor):
     account) and its ``apply`` changes nothing; the settings live in the model state (on every
     pipeline rank; this processor exists on the last only)."""
 
+    guards_prefix_cache: ClassVar[bool] = False  # as RequestSettingsTracker's
+
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         refuse_bad_settings(sampling_params)
@@ -250,3 +262,43 @@ class RequestSettingsAdmission(V2LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         return logits
+
+
+SERVE_FLAGS = ("--logits-processors rope_plugins.serve:SettingsTracker (SettingsAdmission on the V2 runner) and "
+               "--middleware rope_plugins.serve.EngineSettings (python -m rope_plugins.serve prints the whole command)")
+
+
+def configured_processors(vllm_config) -> list[type]:
+    """The logits processor classes the engine was given: classes, or "module:Class" names (how
+    ``vllm serve --logits-processors`` gives them)."""
+    classes = []
+    for entry in vllm_config.model_config.logits_processors or ():
+        if isinstance(entry, str):
+            module, _, name = entry.partition(":")
+            entry = getattr(importlib.import_module(module), name)
+        classes.append(entry)
+    return classes
+
+
+def check_settings_policy(vllm_config) -> None:
+    """Refuses, at engine start (the model's constructor, in every worker), an engine whose
+    requests' settings go unchecked, or could read prefix-cache blocks computed under other
+    settings. Keys are cached unrotated, but every later layer's K/V are computed from attention
+    outputs and depend on the settings, and vLLM keys its prefix cache by the tokens, LoRA,
+    multimodal inputs and ``cache_salt`` only: requests under different settings must either
+    carry different salts (the project's server salts each by its settings), or never share
+    blocks (prefix caching off), or be refused (rope_plugins.serve's processors)."""
+    ours = [cls for cls in configured_processors(vllm_config)
+            if isinstance(cls, type) and issubclass(cls, (RequestSettingsTracker, RequestSettingsAdmission))]
+    if not ours:
+        raise ValueError("rope_plugins: the engine has no request-settings processor; build it with "
+                         f"rope_plugins.engine.engine_kwargs(...), or under vllm serve pass {SERVE_FLAGS}")
+    if any(cls.guards_prefix_cache for cls in ours):
+        return
+    if vllm_config.cache_config.enable_prefix_caching and not (vllm_config.additional_config or {}).get(SALTED_KEY):
+        names = ", ".join(f"{cls.__module__}:{cls.__qualname__}" for cls in ours)
+        raise ValueError(
+            f"rope_plugins: {names} admits every request's own settings, and with prefix caching on a request "
+            "could then reuse K/V cached under other settings; it is meant for a front end that salts every "
+            f"request's prefix cache by its settings (the project's server). Under vllm serve pass {SERVE_FLAGS}, "
+            "or turn prefix caching off (--no-enable-prefix-caching)")
