@@ -21,13 +21,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
 from .config import ServerConfig
 from .engine import EngineService
 from .errors import install_error_handlers
 from .metrics import Metrics
-from .routes import chat, completions, models, playground, system
+from .routes import chat, completions, models, playground, responses, system
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,12 @@ def create_app(config: ServerConfig, model: str) -> FastAPI:
     # the entry point replaces this with its ASGI server's stop (tests build apps without one)
     app.state.stop_serving = lambda: logger.warning("the engine failed and nothing can stop this app")
     install_error_handlers(app)
-    for router in (chat.router, completions.router, models.router, system.router):
+    if config.allowed_origins:
+        # browsers of these origins may call the API (off by default: the playground is same-origin)
+        origins = [origin.strip() for origin in config.allowed_origins.split(",") if origin.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["x-context-extension"])
+    for router in (chat.router, completions.router, responses.router, models.router, system.router):
         app.include_router(router)
     if config.playground:
         app.include_router(playground.router)
@@ -97,7 +103,7 @@ def document_real_responses(app: FastAPI, model_name: str) -> None:
             schemas = document.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
-            for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest"):
+            for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "TokenizeRequest"):
                 schemas.get(name, {}).get("properties", {}).get("model", {})["examples"] = [model_name]
             app.openapi_schema = document
         return app.openapi_schema

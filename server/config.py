@@ -65,6 +65,10 @@ class ServerConfig(BaseModel):
     distributed_executor_backend: Literal["mp", "ray"] | None = Field(
         None, description="vLLM's workers: 'mp' (one node) or 'ray' (several nodes); default: vLLM's choice")
     playground: bool = Field(True, description="serve the browser playground at / (--no-playground: the API alone)")
+    tool_call_parser: str = Field("hermes", description="vLLM's tool parser for tool_choice 'auto' (hermes: the "
+                                                        "<tool_call> format of Qwen2.5); 'none': 'auto' is refused")
+    allowed_origins: str | None = Field(None, description="CORS: comma-separated origins whose pages may call the "
+                                                          "API ('*': any); default: none")
     log_prompts: bool = Field(False, description="log prompt text with each request line")
     log_level: str = Field("info", description="debug, info, warning, error")
 

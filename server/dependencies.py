@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import secrets
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .engine import EngineService
@@ -31,3 +32,7 @@ async def require_api_key(request: Request) -> None:
     credentials: HTTPAuthorizationCredentials | None = await _bearer(request)
     if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
         raise invalid_api_key()
+
+
+# a route's engine service, ready (else 503)
+ReadyService = Annotated[EngineService, Depends(ready_service)]

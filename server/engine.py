@@ -1,23 +1,27 @@
-"""The engine behind the HTTP surface: vLLM's in-process ``AsyncLLM`` with the plugin, the
-tokenizer, the per-request settings (``auto`` resolved here), admission, and generation.
+"""The engine behind the HTTP surface: vLLM's ``AsyncLLM`` with the plugin, the tokenizer,
+the per-request settings (``auto`` resolved here), admission, and the measured generation.
 
-Everything a request needs is checked here before it reaches the engine (length, settings,
-sampling values), so bad input is a 400 and never reaches, or disturbs, the running batch.
+vLLM's serving classes (:mod:`server.openai_serving`) render each request; before anything
+reaches the engine, :meth:`EngineService.check_rendered` holds every prompt to this server's
+bounds and resolves its settings, so bad input is a 400 and never reaches, or disturbs, the
+running batch. :class:`ExtensionEngine` then gives each engine request those settings (in its
+``extra_args``, its prefix-cache salt) and measures it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
 
 from rope_plugins.checkpoint import CheckpointRotary, checkpoint_rotary
 from rope_plugins.engine import engine_kwargs, extension_request
@@ -26,34 +30,122 @@ from rope_plugins.settings import (ExtensionSettings, SettingsError, engine_defa
 
 from .auto import auto_settings
 from .config import AUTO, ServerConfig
-from .errors import (bad_request, context_length_exceeded, engine_refusal, engine_unavailable, invalid_settings,
-                     model_not_found, request_too_large, server_full)
+from .errors import (APIError, bad_request, context_length_exceeded, engine_unavailable, invalid_settings,
+                     model_not_found, printable, request_too_large, server_full)
 from .metrics import Metrics
-from .schemas import SamplingFields
 
 logger = logging.getLogger(__name__)
 
+# A request's own context_extension fields travel to the engine in its vLLM request's
+# ``vllm_xargs`` (so in its SamplingParams' ``extra_args``) under this key, until
+# ExtensionEngine replaces them by the resolved settings. The route sets it; a client cannot.
+REQUESTED_KEY = "rope_extend_requested"
+# The vLLM request attribute that holds the settings applied to each of its prompts.
+APPLIED_ATTRIBUTE = "rope_extend_applied"
 
-@dataclass
-class Job:
-    """One engine request: a prompt's token ids, its sampling, and its resolved settings; the
-    ``index``-th prompt of the answer whose id is ``response_id``."""
 
-    response_id: str
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    settings: ExtensionSettings
-    engine_prompt: dict[str, Any] = field(default_factory=dict)
+def requested_fields(extra: dict[str, Any] | None) -> dict[str, Any]:
+    return dict((extra or {}).get(REQUESTED_KEY) or {})
 
-    @property
-    def request_id(self) -> str:
-        """The engine's id for this job: its answer's id and its prompt's index."""
-        return f"{self.response_id}-{self.index}"
 
-    @property
-    def label(self) -> str:
-        return self.settings.method + ("+log_n" if self.settings.log_n else "")
+def applied_settings(request: Any) -> list[ExtensionSettings]:
+    """The settings :meth:`EngineService.check_rendered` resolved for each of the request's prompts."""
+    return getattr(request, APPLIED_ATTRIBUTE, None) or []
+
+
+@dataclass(frozen=True)
+class RequestAsks:
+    """What a vLLM request (chat, completion or Responses) asks for that this server bounds."""
+
+    n: int
+    max_tokens: int | None
+    min_tokens: int
+    logprobs: int | None
+    prompt_logprobs: int | None
+    logprobs_param: str
+
+    @classmethod
+    def of(cls, request: Any) -> RequestAsks:
+        if hasattr(request, "messages"):  # chat
+            return cls(request.n or 1, request.max_completion_tokens or request.max_tokens, request.min_tokens,
+                       (request.top_logprobs or 0) if request.logprobs else None, request.prompt_logprobs,
+                       "top_logprobs")
+        if hasattr(request, "prompt") and hasattr(request, "echo"):  # completions
+            echoed = request.logprobs if request.echo and request.logprobs is not None else None
+            return cls(request.n or 1, request.max_tokens, request.min_tokens, request.logprobs,
+                       request.prompt_logprobs if request.prompt_logprobs is not None else echoed, "logprobs")
+        return cls(1, request.max_output_tokens, 0, request.top_logprobs or None, None, "top_logprobs")  # Responses
+
+
+class ExtensionEngine(AsyncLLM):
+    """vLLM's ``AsyncLLM``, giving each request the settings its prompt resolves to (its
+    ``extra_args``, a prefix-cache salt of its own) and measuring it: latency metrics by
+    method and one log line when it ends."""
+
+    service: EngineService  # set once built
+
+    async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        extra = dict(sampling_params.extra_args or {})
+        fields = requested_fields(extra)
+        extra.pop(REQUESTED_KEY, None)
+        prompt_ids = prompt["prompt_token_ids"]
+        # checked when the request was rendered (EngineService.check_rendered): cannot fail here
+        settings = self.service.resolve_settings(fields, len(prompt_ids), sampling_params.max_tokens)
+        params = sampling_params.clone()
+        params.extra_args = extra or None
+        prompt, params, settings = extension_request(prompt, params, None, settings)
+        outputs = super().generate(prompt, params, request_id, *args, **kwargs)
+        logged_text = prompt.get("prompt") if self.service.config.log_prompts else None
+        async for output in measured(self.service, request_id, settings, len(prompt_ids), params, outputs,
+                                     logged_text):
+            yield output
+
+
+async def measured(service: EngineService, request_id: str, settings: ExtensionSettings, prompt_tokens: int,
+                   params: Any, outputs: AsyncIterator[Any], prompt_text: str | None = None) -> AsyncIterator[Any]:
+    """The engine outputs of one request, measured: time to first token, between tokens
+    (streamed requests), end to end, token counts by method; one log line when it ends,
+    however it ends."""
+    metrics, method = service.metrics, settings.method + ("+log_n" if settings.log_n else "")
+    arrival = time.perf_counter()
+    streamed = params.output_kind == RequestOutputKind.DELTA
+    first = last = None
+    generated, outcome, finish, reason = 0, "error", None, ""
+    try:
+        async for output in outputs:
+            now = time.perf_counter()
+            new = sum(len(choice.token_ids) for choice in output.outputs)
+            if new and first is None:
+                # collected answers come once, at the end: their first token is the engine's own measure
+                stats = getattr(output, "metrics", None)
+                first = now if streamed or stats is None else arrival + stats.first_token_latency
+                metrics.time_to_first_token.labels(method).observe(first - arrival)
+            elif new and streamed and last is not None:
+                for _ in range(new):
+                    metrics.inter_token_latency.labels(method).observe((now - last) / new)
+            last = now if new else last
+            generated = new + (generated if streamed else 0)
+            finish = ",".join(sorted({c.finish_reason for c in output.outputs if c.finish_reason})) or finish
+            yield output
+        outcome = "ok"
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "aborted"
+        raise
+    except Exception as error:
+        reason = f" error={type(error).__name__}:{printable(str(error))[:200]!r}"
+        raise
+    finally:
+        elapsed = time.perf_counter() - arrival
+        metrics.requests.labels(method, outcome).inc()
+        metrics.prompt_tokens.labels(method).inc(prompt_tokens)
+        metrics.generation_tokens.labels(method).inc(generated)
+        if outcome == "ok":
+            metrics.end_to_end_latency.labels(method).observe(elapsed)
+        ttft = f"{first - arrival:.2f}s" if first is not None else "-"
+        logger.log(logging.WARNING if outcome == "error" else logging.INFO,
+                   "%s %s settings=%s prompt=%d completion=%d ttft=%s e2e=%.2fs finish=%s%s%s", request_id, outcome,
+                   json.dumps(settings.canonical(), separators=(",", ":")), prompt_tokens, generated, ttft, elapsed,
+                   finish or "-", reason, f" prompt_text={prompt_text!r}" if prompt_text is not None else "")
 
 
 class Admission:
@@ -94,6 +186,7 @@ class EngineService:
         self.in_flight = 0
         self.capacity = config.max_num_seqs + config.max_waiting
         self.longest_token_chars = 0  # the vocabulary's longest token: bounds a text's tokens from below
+        self.openai = None  # vLLM's serving classes around the engine (server.openai_serving)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -114,10 +207,11 @@ class EngineService:
             enforce_eager=config.enforce_eager, served_model_name=self.model_name or None, seed=0,
             tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
             distributed_executor_backend=config.distributed_executor_backend)
-        return AsyncEngineArgs(**kwargs, disable_log_stats=False, enable_log_requests=False)
+        # generation_config "vllm": a request's defaults are the OpenAI API's, not the checkpoint's
+        return AsyncEngineArgs(**kwargs, disable_log_stats=False, enable_log_requests=False, generation_config="vllm")
 
     async def start(self, model: str) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from .openai_serving import build_openai_serving
 
         try:
             self.model_path = model
@@ -126,12 +220,14 @@ class EngineService:
             logger.info("starting the engine for %s (max context %d tokens)", model, self.config.max_model_len)
             args = self.engine_args(model)
             self.engine = await asyncio.to_thread(
-                AsyncLLM.from_engine_args, args, stat_loggers=[self.metrics.stat_logger_factory()])
+                ExtensionEngine.from_engine_args, args, stat_loggers=[self.metrics.stat_logger_factory()])
+            self.engine.service = self
             self.tokenizer = self.engine.get_tokenizer()
             self.longest_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
             hf_config = self.engine.vllm_config.model_config.hf_config
             self.defaults = engine_defaults(hf_config)
             self.rotary = checkpoint_rotary(hf_config)
+            self.openai = await build_openai_serving(self, self.tool_parser())
             self.state = "ready"
             config = self.config
             auto = ""
@@ -151,6 +247,9 @@ class EngineService:
             self.state = "stopping"
         if self.engine is not None:
             self.engine.shutdown()
+
+    def tool_parser(self) -> str | None:
+        return None if self.config.tool_call_parser == "none" else self.config.tool_call_parser
 
     @property
     def train_length(self) -> int:
@@ -226,26 +325,6 @@ class EngineService:
         except SettingsError as error:
             raise invalid_settings(str(error), error.field) from None
 
-    def build_jobs(self, prompts: list[list[int]], body: SamplingFields, response_id: str, *, prompt_param: str,
-                   logprobs: int | None = None, prompt_logprobs: int | None = None,
-                   logprobs_param: str = "logprobs") -> list[Job]:
-        """Validated engine requests, one per prompt, answering ``response_id``; raises APIError
-        (400) on bad input."""
-        fields = body.context_extension.fields() if body.context_extension else {}
-        jobs, entries = [], 0
-        for index, prompt_ids in enumerate(prompts):
-            self.check_prompt_length(prompt_ids, prompt_param)
-            max_tokens = self.completion_limit(len(prompt_ids), body)
-            self.check_token_ids(prompt_ids, prompt_param)
-            entries += logprob_entries(body.n, max_tokens, len(prompt_ids), logprobs, prompt_logprobs)
-            self.check_logprob_budget(entries, logprobs_param)
-            settings = self.resolve_settings(fields, len(prompt_ids), max_tokens)
-            params = self.sampling_params(body, max_tokens, logprobs, prompt_logprobs)
-            # settings are resolved and validated above: no fields left to override them
-            prompt, params, settings = extension_request({"prompt_token_ids": prompt_ids}, params, None, settings)
-            jobs.append(Job(response_id, index, prompt_ids, params, settings, prompt))
-        return jobs
-
     def check_prompt_length(self, prompt_ids: list[int], param: str) -> None:
         """At least one token, and room for one more in the served context."""
         served = self.config.max_model_len
@@ -255,22 +334,38 @@ class EngineService:
             raise context_length_exceeded(f"{param}: the prompt has {len(prompt_ids)} tokens; this server's maximum "
                                           f"context is {served} tokens (prompt + completion)", param)
 
-    def completion_limit(self, prompt_tokens: int, body: SamplingFields) -> int:
+    def completion_limit(self, prompt_tokens: int, requested: int | None, min_tokens: int) -> int:
         """The request's max_tokens (by default the rest of the served context), checked to fit
         with the prompt and to allow min_tokens."""
         served = self.config.max_model_len
-        max_tokens = body.max_tokens if body.max_tokens is not None else served - prompt_tokens
+        max_tokens = requested if requested is not None else served - prompt_tokens
         if prompt_tokens + max_tokens > served:
             raise context_length_exceeded(
                 f"max_tokens: the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}, "
                 f"{prompt_tokens + max_tokens} in all; this server's maximum context is {served} tokens", "max_tokens")
-        if body.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})",
-                              param="min_tokens")
+        if min_tokens > max_tokens:
+            raise bad_request(f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
         return max_tokens
 
+    def check_rendered(self, request: Any, engine_inputs: list[Any], prompt_param: str) -> None:
+        """A rendered request (vLLM's request model, its prompts' engine inputs) within this
+        server's bounds, and each prompt's settings resolved (raises APIError, 400). The applied
+        settings are kept on the request (:func:`applied_settings`) for the response to report."""
+        fields = requested_fields(getattr(request, "vllm_xargs", None))
+        ask = RequestAsks.of(request)
+        applied, entries = [], 0
+        for engine_input in engine_inputs:
+            prompt_ids = list(engine_input.get("prompt_token_ids") or [])
+            self.check_prompt_length(prompt_ids, prompt_param)
+            self.check_token_ids(prompt_ids, prompt_param)
+            max_tokens = self.completion_limit(len(prompt_ids), ask.max_tokens, ask.min_tokens)
+            entries += logprob_entries(ask.n, max_tokens, len(prompt_ids), ask.logprobs, ask.prompt_logprobs)
+            self.check_logprob_budget(entries, ask.logprobs_param)
+            applied.append(self.resolve_settings(fields, len(prompt_ids), max_tokens))
+        setattr(request, APPLIED_ATTRIBUTE, applied)
+
     def check_token_ids(self, prompt_ids: list[int], param: str) -> None:
-        vocabulary = self.engine.vllm_config.model_config.get_vocab_size()
+        vocabulary = self.engine.model_config.get_vocab_size()
         if any(not 0 <= t < vocabulary for t in prompt_ids):
             raise bad_request(f"{param}: token ids must be in [0, {vocabulary})", param=param)
 
@@ -280,19 +375,6 @@ class EngineService:
         if entries > limit:
             raise bad_request(f"{param}: this request asks for {entries} log-probabilities or more (positions x "
                               f"choices x (top + 1)); the limit is {limit}: lower max_tokens, n or {param}", param=param)
-
-    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
-        from vllm.exceptions import VLLMValidationError
-
-        try:
-            return SamplingParams(
-                n=body.n, temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
-                stop=body.stop_list() or None, seed=body.seed, presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA)
-        except (ValueError, VLLMValidationError) as error:  # VLLMValidationError is not a ValueError
-            raise engine_refusal(error) from None
 
     def admit(self, count: int, param: str) -> "Admission":
         """Bounded admission of ``count`` sequences (prompts x n): beyond the running + waiting
@@ -305,20 +387,6 @@ class EngineService:
         self.in_flight += count
         self.metrics.in_flight.set(self.in_flight)
         return Admission(self, count)
-
-    async def generate(self, job: Job) -> AsyncIterator[Any]:
-        """The engine's outputs (deltas) for one job; an abandoned iteration aborts it in the engine."""
-        from vllm.exceptions import VLLMValidationError
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        try:
-            async for output in self.engine.generate(job.engine_prompt, job.params, job.request_id):
-                yield output
-        except VLLMValidationError as error:
-            raise engine_refusal(error) from None
-        except EngineDeadError:
-            raise engine_unavailable("the engine died while serving this request; the server restarts") from None
-
 
 def logprob_entries(n: int, max_tokens: int, prompt_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None) -> int:

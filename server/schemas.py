@@ -1,8 +1,11 @@
 """Request and response bodies, as the OpenAI API (and vLLM's server) shape them.
 
-Requests accept and ignore OpenAI fields this server does not act on (as vLLM's server does),
-so unchanged clients keep working; values of the fields it does use are validated, and a bad
-one is a 400 naming the field.
+Every field a request may carry is declared here, with its bounds: it is honoured (passed on to
+vLLM's own request model and serving class, :mod:`server.openai_serving`) or, if it cannot
+change the answer, accepted and ignored (:data:`IGNORED_FIELDS`). Any other field is refused
+with a 400 naming it, as is a bad value. Nested OpenAI objects (``response_format``, ``tools``,
+``tool_choice``, ``structured_outputs``) are bounded in size here and checked field by field by
+vLLM's request models.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ MAX_INT32 = 2**31 - 1
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
 MAX_NAME_CHARS = 256
+MAX_TOOLS = 128  # tools one request may declare (OpenAI allows 128)
+MAX_TOOL_CALLS = 128  # tool calls one assistant message may carry
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
+MAX_TOKEN_LIST = 4096  # stop_token_ids, allowed_token_ids, bad_words
+MAX_METADATA = 16  # OpenAI's limit on metadata entries
+
+# Fields accepted and ignored: they cannot change the answer (README, "A request").
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 
 
 def valid_unicode(text: str) -> str:
@@ -37,6 +48,9 @@ Text = Annotated[str, AfterValidator(valid_unicode)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(valid_unicode)]
 StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Metadata = Annotated[dict[Name, Annotated[str, Field(max_length=512)]], Field(max_length=MAX_METADATA)]
+# an OpenAI object checked field by field by vLLM's request model (its size bounded by the body limit)
+OpenAIObject = dict[str, Any]
 
 
 _SETTINGS_SCHEMA = ExtensionSettings.model_json_schema()["properties"]
@@ -86,9 +100,9 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions (and the sampling fields vLLM adds)."""
 
-    model_config = ConfigDict(**REQUEST_CONFIG, extra="ignore")
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
 
     model: Name
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -101,32 +115,63 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[Annotated[str, Field(max_length=12)], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
+    response_format: OpenAIObject | None = None
+    # ignored: they cannot change the answer
     user: Name | None = None
-    # vLLM's extensions, handy for benchmarks
+    metadata: Metadata | None = None
+    store: bool | None = None
+    service_tier: Name | None = None
+    # vLLM's extensions (its sampling fields, structured outputs and prefix-cache salt)
+    top_k: int = Field(0, ge=-1, le=MAX_INT32)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_LIST)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_TOKEN_LIST)
+    bad_words: list[StopSequence] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    structured_outputs: OpenAIObject | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
     context_extension: ContextExtension | None = None
 
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def vllm_fields(self) -> dict[str, Any]:
+        """The request as vLLM's own request model reads it: the fields the client set, less
+        this server's own and the ignored ones."""
+        return self.model_dump(exclude_unset=True, exclude={"context_extension", *IGNORED_FIELDS})
+
+    def extension_fields(self) -> dict[str, Any]:
+        return self.context_extension.fields() if self.context_extension else {}
 
 
 class TextPart(BaseModel):
     """A content part; this server's models read text only."""
 
-    model_config = ConfigDict(**REQUEST_CONFIG, extra="allow")
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
 
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(**REQUEST_CONFIG, extra="allow")
+    """A message of the conversation: its text, and an assistant's tool calls or a tool's answer."""
+
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    name: Name | None = None
+    tool_calls: list[OpenAIObject] | None = Field(None, max_length=MAX_TOOL_CALLS)  # an assistant's
+    tool_call_id: Name | None = None  # a tool message's: the call it answers
+    # what the OpenAI clients send back with an assistant message they received: always empty here
+    refusal: None = None
+    annotations: list[Any] | None = Field(None, max_length=0)
+    audio: None = None
+    function_call: None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -155,12 +200,24 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[OpenAIObject] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | OpenAIObject | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
-    @model_validator(mode="after")
-    def _one_limit(self) -> "ChatCompletionRequest":
-        if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-        return self
+    def unanswerable_tool_message(self) -> tuple[str, str] | None:
+        """A tool message must answer a call an earlier assistant message made, by its id; the
+        first that does not, as (param, reason)."""
+        called: set[str] = set()
+        for index, message in enumerate(self.messages):
+            if message.tool_calls and message.role != "assistant":
+                return f"messages.{index}.tool_calls", "only an assistant message makes tool calls"
+            called.update(call["id"] for call in message.tool_calls or [] if isinstance(call.get("id"), str))
+            if message.role == "tool" and message.tool_call_id not in called:
+                return (f"messages.{index}.tool_call_id",
+                        f"{str(message.tool_call_id)[:80]!r} answers no tool call of an earlier assistant message")
+        return None
 
 
 class CompletionRequest(SamplingFields):
@@ -168,6 +225,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)  # the OpenAI default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    suffix: Text | None = None  # refused by vLLM unless the model renders fill-in-the-middle
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -192,6 +250,45 @@ class CompletionRequest(SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: what ``client.responses.create`` sends for text and function
+    tools. Stored responses are not kept here, so ``previous_response_id`` and ``background``
+    are refused; ``store`` is ignored."""
+
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
+
+    model: Name
+    input: Text | list[OpenAIObject] = Field(min_length=1)
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+    tools: list[OpenAIObject] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | OpenAIObject | None = None
+    parallel_tool_calls: bool | None = None
+    text: OpenAIObject | None = None  # its format: text, json_object or json_schema
+    truncation: Literal["disabled"] | None = None
+    user: Name | None = None
+    metadata: Metadata | None = None
+    store: bool | None = None
+    service_tier: Name | None = None
+    context_extension: ContextExtension | None = None
+
+    def vllm_fields(self) -> dict[str, Any]:
+        # store: vLLM would keep the response for previous_response_id, which this server refuses
+        return {**self.model_dump(exclude_unset=True, exclude={"context_extension", *IGNORED_FIELDS}), "store": False}
+
+    def extension_fields(self) -> dict[str, Any]:
+        return self.context_extension.fields() if self.context_extension else {}
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
 
@@ -205,6 +302,13 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
+
+    model: Name | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -339,6 +443,10 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class HealthStatus(BaseModel):

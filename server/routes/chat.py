@@ -1,26 +1,24 @@
-"""POST /v1/chat/completions: the model's chat template, streamed or not."""
+"""POST /v1/chat/completions: vLLM's chat serving (templates with tools, tool calls, structured
+outputs), streamed or not, with this server's bounds and context_extension."""
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Depends, Request
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChatRequest
 
-from ..dependencies import ready_service, require_api_key
-from ..engine import EngineService
-from ..errors import STREAMED_RESPONSES
+from ..dependencies import ReadyService, require_api_key
+from ..errors import STREAMED_RESPONSES, bad_request
 from ..schemas import ChatCompletion, ChatCompletionRequest
-from ..serving import chat_generation, respond
+from ..serving import serve, vllm_request
 
 router = APIRouter(tags=["chat"], dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED_RESPONSES)
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           service: EngineService = Depends(ready_service)):
-    arrival = time.perf_counter()
+async def chat_completions(body: ChatCompletionRequest, request: Request, service: ReadyService):
     service.check_model(body.model)
-    admission = service.admit(body.n, param="n")
-    with admission.released_on_error():
-        generation = await chat_generation(service, body, arrival)
-    return await respond(request, generation, admission)
+    if unanswerable := body.unanswerable_tool_message():
+        param, reason = unanswerable
+        raise bad_request(f"{param}: {reason}", param=param)
+    return await serve(request, service, service.openai.chat.create_chat_completion,
+                       vllm_request(body, VllmChatRequest), body.n, "n")

@@ -1,29 +1,25 @@
-"""POST /v1/completions: text (or token-id) prompts, one or several, streamed or not.
+"""POST /v1/completions: text (or token-id) prompts, one or several, streamed or not: vLLM's
+completion serving with this server's bounds and context_extension.
 
 ``echo`` with ``logprobs`` returns the prompt tokens' log-probabilities too (the OpenAI way to
 score a text; the evaluation uses it for loss)."""
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Depends, Request
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletionRequest
 
-from ..dependencies import ready_service, require_api_key
-from ..engine import EngineService
+from ..dependencies import ReadyService, require_api_key
 from ..errors import STREAMED_RESPONSES
 from ..schemas import Completion, CompletionRequest
-from ..serving import completion_generation, respond
+from ..serving import serve, vllm_request
 
 router = APIRouter(tags=["completions"], dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/completions", response_model=Completion, responses=STREAMED_RESPONSES)
-async def completions(body: CompletionRequest, request: Request, service: EngineService = Depends(ready_service)):
-    arrival = time.perf_counter()
+async def completions(body: CompletionRequest, request: Request, service: ReadyService):
     service.check_model(body.model)
-    prompts = body.prompts()
-    admission = service.admit(len(prompts) * body.n, param="n" if body.n > 1 else "prompt")
-    with admission.released_on_error():
-        generation = await completion_generation(service, body, prompts, arrival)
-    return await respond(request, generation, admission)
+    prompts = len(body.prompts())
+    return await serve(request, service, service.openai.completion.create_completion,
+                       vllm_request(body, VllmCompletionRequest), prompts * body.n, "n" if body.n > 1 else "prompt")

@@ -1,18 +1,21 @@
-"""Health, version, Prometheus metrics (open, for probes and scrapers) and tokenize."""
+"""Health, version, Prometheus metrics (open, for probes and scrapers), tokenize and detokenize."""
 
 from __future__ import annotations
 
 import asyncio
 from importlib.metadata import version as package_version
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest as VllmDetokenizeRequest
 
 from ..dependencies import get_service, ready_service, require_api_key
 from ..engine import EngineService
 from ..errors import ERROR_RESPONSES
-from ..schemas import HealthStatus, TokenizeRequest, TokenizeResponse
+from ..schemas import DetokenizeRequest, DetokenizeResponse, HealthStatus, TokenizeRequest, TokenizeResponse
+from ..serving import refusal
 
 router = APIRouter(tags=["system"])
 
@@ -43,7 +46,10 @@ def _installed(name: str) -> bool:
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
 async def metrics(service: EngineService = Depends(get_service)) -> Response:
-    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """This server's ``rope_extend_*`` metrics, then vLLM's own ``vllm:*`` engine metrics (its
+    stat logger's, in prometheus-client's default registry), which vLLM's dashboards read."""
+    return Response(generate_latest(service.metrics.registry) + generate_latest(REGISTRY),
+                    media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
@@ -60,3 +66,17 @@ async def tokenize(body: TokenizeRequest, service: EngineService = Depends(ready
     finally:
         admission.release()
     return TokenizeResponse(count=len(tokens), max_model_len=service.config.max_model_len, tokens=tokens)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, dependencies=[Depends(require_api_key)],
+             responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, request: Request,
+                     service: EngineService = Depends(ready_service)) -> DetokenizeResponse:
+    """Token ids back to text, by vLLM's tokenization serving."""
+    if body.model is not None:
+        service.check_model(body.model)
+    answer = await service.openai.tokenization.create_detokenize(
+        VllmDetokenizeRequest(model=body.model, tokens=body.tokens), request)
+    if not isinstance(answer, BaseModel) or hasattr(answer, "error"):
+        raise refusal(service, answer.error.model_dump())
+    return DetokenizeResponse(prompt=answer.prompt)

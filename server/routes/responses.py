@@ -1,0 +1,21 @@
+"""POST /v1/responses: the Responses API (text and function tools), streamed with its event
+types or not: vLLM's Responses serving with this server's bounds and context_extension."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as VllmResponsesRequest
+
+from ..dependencies import ReadyService, require_api_key
+from ..errors import STREAMED_RESPONSES
+from ..schemas import ResponsesRequest
+from ..serving import responses_events, serve, vllm_request
+
+router = APIRouter(tags=["responses"], dependencies=[Depends(require_api_key)])
+
+
+@router.post("/v1/responses", responses=STREAMED_RESPONSES)
+async def responses(body: ResponsesRequest, request: Request, service: ReadyService):
+    service.check_model(body.model)
+    return await serve(request, service, service.openai.responses.create_responses,
+                       vllm_request(body, VllmResponsesRequest), 1, "input", to_events=responses_events)
