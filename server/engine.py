@@ -362,7 +362,19 @@ class EngineService:
             entries += logprob_entries(ask.n, max_tokens, len(prompt_ids), ask.logprobs, ask.prompt_logprobs)
             self.check_logprob_budget(entries, ask.logprobs_param)
             applied.append(self.resolve_settings(fields, len(prompt_ids), max_tokens))
+        if engine_inputs:
+            self.check_sampling(request, max_tokens)
         setattr(request, APPLIED_ATTRIBUTE, applied)
+
+    def check_sampling(self, request: Any, max_tokens: int) -> None:
+        """vLLM's own checks of a request's sampling (its grammar compiled, its token ids in the
+        vocabulary), as the engine will run them on admission: here they run before a stream
+        starts, so that a refusal is a 400 rather than an event after the 200 (raises vLLM's
+        VLLMValidationError)."""
+        config = self.engine.vllm_config
+        params = request.to_sampling_params(max_tokens, {})
+        params.verify(config.model_config, config.speculative_config, config.structured_outputs_config,
+                      self.engine.tokenizer)
 
     def check_token_ids(self, prompt_ids: list[int], param: str) -> None:
         vocabulary = self.engine.model_config.get_vocab_size()

@@ -139,6 +139,13 @@ class SamplingFields(BaseModel):
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
     context_extension: ContextExtension | None = None
 
+    def constraint_field(self) -> str | None:
+        """The field that constrains decoding, if one does: what a grammar refusal is about."""
+        forced_tools = getattr(self, "tool_choice", None) not in (None, "none", "auto")
+        return next((name for name, used in (("structured_outputs", self.structured_outputs is not None),
+                                             ("response_format", self.response_format is not None),
+                                             ("tools", forced_tools)) if used), None)
+
     def vllm_fields(self) -> dict[str, Any]:
         """The request as vLLM's own request model reads it: the fields the client set, less
         this server's own and the ignored ones."""
@@ -157,6 +164,23 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
+
+    name: Name
+    arguments: Text  # JSON, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A tool call an assistant message made (what the API answered, sent back)."""
+
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="forbid")
+
+    id: Name
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     """A message of the conversation: its text, and an assistant's tool calls or a tool's answer."""
 
@@ -165,7 +189,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Name | None = None
-    tool_calls: list[OpenAIObject] | None = Field(None, max_length=MAX_TOOL_CALLS)  # an assistant's
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)  # an assistant's
     tool_call_id: Name | None = None  # a tool message's: the call it answers
     # what the OpenAI clients send back with an assistant message they received: always empty here
     refusal: None = None
@@ -213,10 +237,12 @@ class ChatCompletionRequest(SamplingFields):
         for index, message in enumerate(self.messages):
             if message.tool_calls and message.role != "assistant":
                 return f"messages.{index}.tool_calls", "only an assistant message makes tool calls"
-            called.update(call["id"] for call in message.tool_calls or [] if isinstance(call.get("id"), str))
+            called.update(call.id for call in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id is None:
+                return f"messages.{index}.tool_call_id", "a tool message names the call it answers"
             if message.role == "tool" and message.tool_call_id not in called:
                 return (f"messages.{index}.tool_call_id",
-                        f"{str(message.tool_call_id)[:80]!r} answers no tool call of an earlier assistant message")
+                        f"{message.tool_call_id[:80]!r} answers no tool call of an earlier assistant message")
         return None
 
 
@@ -280,6 +306,10 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     service_tier: Name | None = None
     context_extension: ContextExtension | None = None
+
+    def constraint_field(self) -> str | None:
+        forced_tools = self.tool_choice not in (None, "none", "auto")
+        return "text" if self.text is not None else "tools" if forced_tools else None
 
     def vllm_fields(self) -> dict[str, Any]:
         # store: vLLM would keep the response for previous_response_id, which this server refuses

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -45,12 +46,12 @@ def vllm_request(body: Any, model: type[BaseModel]) -> Any:
     except ValidationError as error:
         raise validation_error(RequestValidationError(error.errors())) from None
     except VLLMValidationError as error:  # raised by its validators, as they are not ValueErrors
-        raise engine_refusal(error) from None
+        raise named(engine_refusal(error), body.constraint_field()) from None
     request.vllm_xargs = {REQUESTED_KEY: body.extension_fields()}
     return request
 
 
-async def serve(request: Request, service: EngineService, handler: Handler, vllm_body: Any,
+async def serve(request: Request, service: EngineService, handler: Handler, body: Any, vllm_body: Any,
                 sequences: int, sequences_param: str, to_events: Callable[[Any], AsyncIterator[str]] | None = None
                 ) -> Response:
     """Admit ``sequences`` (prompts x n), run vLLM's ``handler`` and answer: the collected body
@@ -59,7 +60,7 @@ async def serve(request: Request, service: EngineService, handler: Handler, vllm
     admission = service.admit(sequences, param=sequences_param)
     try:
         result = await unless_disconnected(request, started(service, handler(vllm_body, request), to_events,
-                                                            request.url.path))
+                                                            request.url.path, body.constraint_field()))
         headers = settings_header(vllm_body)
         if isinstance(result, BaseModel):
             admission.release()
@@ -75,24 +76,24 @@ async def serve(request: Request, service: EngineService, handler: Handler, vllm
 
 
 async def started(service: EngineService, answer: Awaitable[Any],
-                  to_events: Callable[[Any], AsyncIterator[str]] | None, path: str) -> Any:
+                  to_events: Callable[[Any], AsyncIterator[str]] | None, path: str, constraint: str | None) -> Any:
     """vLLM's answer, a refusal raised as APIError; a stream (as server-sent events) once its
     first event is in and is not an error."""
     try:
         result = await answer
     except (VLLMValidationError, ValueError, TypeError) as error:  # vLLM's own refusals raised, as it answers them
-        raise engine_refusal(error) from None
+        raise named(engine_refusal(error), constraint) from None
     except EngineDeadError:
         raise engine_unavailable("the engine died while serving this request; the server restarts") from None
     if isinstance(result, ErrorResponse):
-        raise refusal(service, result.error.model_dump())
+        raise named(refusal(service, result.error.model_dump()), constraint)
     if isinstance(result, BaseModel):
         return result
     events = to_events(result) if to_events else result
     first = await anext(events, None)
     if first is not None and (error := error_in(first)) is not None:
         await events.aclose()
-        raise refusal(service, error)
+        raise named(refusal(service, error), constraint)
     return resumed(service, first, events, path)
 
 
@@ -138,6 +139,18 @@ def refusal(service: EngineService, error: dict[str, Any]) -> APIError:
     if param and not message.startswith(param):
         message = f"{param}: {message}"
     return APIError(status, message, param=param)
+
+
+# how vLLM's refusals of a grammar begin (xgrammar's, its structured-output checks'): they name no field
+GRAMMAR_REFUSAL = re.compile(r"grammar|structured output|choice|regex|json schema|invalid type", re.IGNORECASE)
+
+
+def named(error: APIError, constraint: str | None) -> APIError:
+    """A refusal that names no field but is about the request's grammar names the field that
+    gave it (``response_format``, ``structured_outputs`` or ``tools``)."""
+    if error.param is None and error.status == 400 and constraint and GRAMMAR_REFUSAL.search(error.message):
+        error.param, error.message = constraint, f"{constraint}: {error.message}"
+    return error
 
 
 def settings_header(vllm_body: Any) -> dict[str, str]:

@@ -8,6 +8,8 @@ echoes), as a text completion."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -72,5 +74,45 @@ def test_it_answers_through_the_server(real_model, tmp_path):
         else:
             text = client.completions.create(model=card.id, prompt=question, max_tokens=8, temperature=0).choices[0].text
         assert all(word in text for word in expected), text
+        if name == "qwen2.5-coder-0.5b":
+            the_openai_surface_on_qwen(client, card.id)
     finally:
         server.stop()
+
+
+# Qwen2.5's own tool-call markup (its chat template's), which vLLM's hermes parser reads
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]+"\}\}\n</tool_call>'
+
+
+def the_openai_surface_on_qwen(client, model):
+    """The openai client's parse, a tool call with ``auto`` parsed from Qwen2.5's own format by
+    vLLM's hermes parser (streamed deltas assembling into the collected call), the tool's result
+    in a second turn, and the Responses API, on the real Qwen2.5-Coder-0.5B."""
+    from test_server import WEATHER_TOOL, City, assembled_tool_calls
+
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    parsed = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": (
+        "Give the capital of France as JSON.")}], response_format=City, max_tokens=64, temperature=0)
+    assert parsed.choices[0].message.parsed == City(name="Paris", country="France")
+    # Left free, this 0.5B model writes the call as bare JSON, without its <tool_call> tags (the tag
+    # token is not among its three likeliest first tokens), which no parser of its family reads; a
+    # regex holds it to its own markup, the city its choice, and hermes parses what it wrote.
+    common = dict(model=model, messages=question, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=64,
+                  temperature=0, extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    answer = client.chat.completions.create(**common).choices[0]
+    assert answer.finish_reason == "tool_calls" and not answer.message.content
+    (call,) = answer.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert [(c["name"], c["arguments"]) for c in assembled_tool_calls(client.chat.completions.create(
+        **common, stream=True))] == [(call.function.name, call.function.arguments)]
+    # with the tools still offered this model calls again and again; without them it reads the result
+    second = client.chat.completions.create(model=model, max_tokens=64, temperature=0, messages=[
+        *question, answer.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "It is sunny and 31 degrees Celsius in Paris."}])
+    assert "31" in second.choices[0].message.content
+    response = client.responses.create(model=model, input="What is the capital of France?", max_output_tokens=24,
+                                       temperature=0)
+    assert "Paris" in response.output_text
+    events = list(client.responses.create(model=model, input="What is the capital of France?", max_output_tokens=24,
+                                          temperature=0, stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == response.output_text

@@ -30,7 +30,7 @@ CAPACITY = 8  # --max-num-seqs 4 + --max-waiting 4
 MAX_BODY = 1 << 20
 MAX_LOGPROB_ENTRIES = 5000
 LONGEST_TOKEN_CHARS = 81  # SmolLM2's longest vocabulary entry
-CHAT, COMPLETIONS, TOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize"
+CHAT, COMPLETIONS, RESPONSES, TOKENIZE = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -102,6 +102,23 @@ def completion_body(**fields):
 
 def user(content):
     return [{"role": "user", "content": content}]
+
+
+def responses_body(**fields):
+    return {"model": MODEL, "input": "hi", "max_output_tokens": 4, **fields}
+
+
+def tool_spec(name="f", parameters=None):
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
+def called(call_id, arguments="{}"):
+    return {"role": "assistant", "tool_calls": [{"id": call_id, "type": "function",
+                                                 "function": {"name": "f", "arguments": arguments}}]}
+
+
+def tool_answer(call_id):
+    return {"role": "tool", "tool_call_id": call_id, "content": "x"}
 
 
 INF, NAN = math.inf, math.nan
@@ -180,6 +197,56 @@ BAD_REQUESTS = [
     ("no messages", CHAT, chat_body(messages=[]), 400, "messages"),
     ("include_usage as a string", CHAT, chat_body(stream_options={"include_usage": "yes"}),
      400, "stream_options.include_usage"),
+    # structured outputs and tools (vLLM's grammar compiler refuses some: still a 400 naming the field)
+    ("a JSON schema the compiler refuses", CHAT, chat_body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}), 400, "response_format"),
+    ("a JSON schema the compiler refuses, streamed", CHAT, chat_body(stream=True, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}), 400, "response_format"),
+    ("a response_format of no known type", CHAT, chat_body(response_format={"type": "xml"}), 400,
+     "response_format.format"),
+    ("a regex that does not parse", COMPLETIONS, completion_body(structured_outputs={"regex": "(unclosed"}),
+     400, "structured_outputs"),
+    ("a grammar that does not parse, streamed", COMPLETIONS,
+     completion_body(stream=True, structured_outputs={"grammar": "root ::= ("}), 400, "structured_outputs"),
+    ("two constraints at once", CHAT, chat_body(structured_outputs={"regex": "a", "choice": ["b"]}),
+     400, "structured_outputs"),
+    ("an empty choice", CHAT, chat_body(structured_outputs={"choice": []}), 400, "structured_outputs"),
+    ("a tool whose schema the compiler refuses", CHAT, chat_body(
+        tools=[tool_spec(parameters={"type": "objekt"})], tool_choice="required"), 400, "tools"),
+    ("a tool that is not an object", CHAT, chat_body(tools=["f"]), 400, "tools.0"),
+    ("a tool without a name", CHAT, chat_body(tools=[{"type": "function", "function": {}}]), 400,
+     "tools.0.function.name"),
+    ("129 tools", CHAT, chat_body(tools=[tool_spec(f"f{i}") for i in range(129)]), 400, "tools"),
+    ("a named tool not among the tools", CHAT, chat_body(
+        tools=[tool_spec()], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    ("tool_choice without tools", CHAT, chat_body(tool_choice="required"), 400, "tool_choice"),
+    ("a tool answer to no call", CHAT, chat_body(messages=[*user("hi"), called("a"), tool_answer("b")]),
+     400, "messages.2.tool_call_id"),
+    ("a tool answer naming no call", CHAT, chat_body(messages=[{"role": "tool", "content": "x"}]),
+     400, "messages.0.tool_call_id"),
+    ("tool call arguments not a string", CHAT, chat_body(messages=[*user("hi"), called("a", arguments={}),
+                                                                   tool_answer("a")]),
+     400, "messages.1.tool_calls.0.function.arguments"),
+    ("a user message with tool calls", CHAT, chat_body(messages=[{**called("a"), "role": "user", "content": "hi"}]),
+     400, "messages.0.tool_calls"),
+    ("logit_bias with a key not a token id", CHAT, chat_body(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit_bias past the vocabulary", CHAT, chat_body(logit_bias={"999999": 1}), 400, "logit_bias"),
+    ("logit_bias 101", CHAT, chat_body(logit_bias={"1": 101}), 400, "logit_bias"),
+    ("allowed_token_ids past the vocabulary", COMPLETIONS, completion_body(allowed_token_ids=[999999]), 400,
+     "allowed_token_ids"),
+    ("stop_token_ids past the vocabulary", CHAT, chat_body(stop_token_ids=[999999]), 400, "stop_token_ids"),
+    ("top_k -2", CHAT, chat_body(top_k=-2), 400, "top_k"),
+    ("prompt_logprobs 21", COMPLETIONS, completion_body(prompt_logprobs=21), 400, "prompt_logprobs"),
+    ("an OpenAI field not served (audio)", CHAT, chat_body(audio={"voice": "x"}), 400, "audio"),
+    ("vLLM's vllm_xargs (context_extension is this server's)", CHAT,
+     chat_body(vllm_xargs={"context_extension.method": "rerope"}), 400, "vllm_xargs"),
+    ("a chat template in the request", CHAT, chat_body(chat_template="{{ 1 }}"), 400, "chat_template"),
+    ("/v1/responses after a stored response", RESPONSES, responses_body(previous_response_id="resp_1"), 400,
+     "previous_response_id"),
+    ("/v1/responses with a bad extension", RESPONSES, responses_body(context_extension={"method": "warp"}), 400,
+     "context_extension.method"),
+    ("/v1/responses with an empty input", RESPONSES, responses_body(input=[]), 400, "input"),
+    ("/detokenize past int32", "/detokenize", {"tokens": [2**40]}, 400, "tokens.0"),
     ("body is a list", COMPLETIONS, [1, 2], 400, None),
     ("body is not JSON", COMPLETIONS, b"{not json", 400, None),
     ("body is not UTF-8", COMPLETIONS, b'{"model": "\xff\xfe"}', 400, None),
@@ -214,6 +281,31 @@ def test_bad_request_is_refused_naming_the_field_and_the_connection_and_engine_c
     failures = [line for line in new_lines if f"-> {status}" in line]
     assert len(failures) == 1 and "Traceback" not in "\n".join(new_lines), new_lines
     assert all(len(line) < 1000 for line in new_lines)
+
+
+# Grammars that are costly to compile or to follow; each must be answered (served or refused) in
+# bounded time, with the engine serving the next request. Seen here: at most 1.2 s each.
+COSTLY_GRAMMARS = {
+    "nested repetition": {"regex": "(a{1000}){1000}"},
+    "a DFA that blows up": {"regex": "(a|b)*a(a|b){25}"},
+    "catastrophic backtracking": {"regex": "(a+)+(b+)+(c+)+(d+)+$" * 20},
+    "5000 required properties": {"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)},
+                                          "required": [f"p{i}" for i in range(5000)]}},
+    "a million-character string": {"json": {"type": "string", "minLength": 10**6, "maxLength": 10**6}},
+    "100,000 items": {"json": {"type": "array", "items": {"type": "string"}, "minItems": 100_000}},
+    "500 nested groups": {"grammar": "root ::= " + "(" * 500 + '"a"' + ")" * 500},
+    "10,000 choices": {"choice": [f"option{i}" for i in range(10_000)]},
+}
+COSTLY_GRAMMAR_SECONDS = 30
+
+
+@pytest.mark.parametrize("name", sorted(COSTLY_GRAMMARS))
+def test_a_costly_grammar_is_answered_in_bounded_time(http, name):
+    began = time.monotonic()
+    response = http.post(COMPLETIONS, json=completion_body(structured_outputs=COSTLY_GRAMMARS[name]))
+    assert response.status_code in (200, 400), response.text
+    assert time.monotonic() - began < COSTLY_GRAMMAR_SECONDS
+    assert http.post(COMPLETIONS, json=completion_body(max_tokens=2)).status_code == 200
 
 
 def test_tokenize_counts_a_text_longer_than_the_served_context(http):

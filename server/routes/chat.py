@@ -21,4 +21,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         param, reason = unanswerable
         raise bad_request(f"{param}: {reason}", param=param)
     return await serve(request, service, service.openai.chat.create_chat_completion,
-                       vllm_request(body, VllmChatRequest), body.n, "n")
+                       body, vllm_request(body, VllmChatRequest), body.n, "n")

@@ -22,4 +22,4 @@ async def completions(body: CompletionRequest, request: Request, service: ReadyS
     service.check_model(body.model)
     prompts = len(body.prompts())
     return await serve(request, service, service.openai.completion.create_completion,
-                       vllm_request(body, VllmCompletionRequest), prompts * body.n, "n" if body.n > 1 else "prompt")
+                       body, vllm_request(body, VllmCompletionRequest), prompts * body.n, "n" if body.n > 1 else "prompt")

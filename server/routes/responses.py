@@ -18,4 +18,4 @@ router = APIRouter(tags=["responses"], dependencies=[Depends(require_api_key)])
 async def responses(body: ResponsesRequest, request: Request, service: ReadyService):
     service.check_model(body.model)
     return await serve(request, service, service.openai.responses.create_responses,
-                       vllm_request(body, VllmResponsesRequest), 1, "input", to_events=responses_events)
+                       body, vllm_request(body, VllmResponsesRequest), 1, "input", to_events=responses_events)
