@@ -56,7 +56,7 @@ class ExtensionRenderer(OnlineRenderer):
 
     async def render_chat(self, request, **kwargs):
         self.service.check_text_length(messages_characters(request.messages), "messages")
-        with refusals_named("messages"):
+        with refusals_named("messages", self.service.config.max_model_len):
             result = await super().render_chat(request, **kwargs)
         if not isinstance(result, ErrorResponse):
             self.service.check_rendered(request, result[1], prompt_param="messages")
@@ -67,7 +67,7 @@ class ExtensionRenderer(OnlineRenderer):
         for text in prompts:
             if isinstance(text, str):
                 self.service.check_text_length(len(text), "prompt")
-        with refusals_named("prompt"):
+        with refusals_named("prompt", self.service.config.max_model_len):
             result = await super().render_completion(request, **kwargs)
         if not isinstance(result, ErrorResponse):
             self.service.check_rendered(request, result, prompt_param="prompt")
@@ -75,7 +75,7 @@ class ExtensionRenderer(OnlineRenderer):
 
     async def render_responses(self, request, **kwargs):
         self.service.check_text_length(len(str(request.input)) + len(request.instructions or ""), "input")
-        with refusals_named("input"):
+        with refusals_named("input", self.service.config.max_model_len):
             result = await super().render_responses(request, **kwargs)
         if not isinstance(result, ErrorResponse):
             self.service.check_rendered(request, [result.engine_input], prompt_param="input")
@@ -87,12 +87,17 @@ PROMPT_LENGTH_PARAMS = ("input_tokens", "input_text")
 
 
 @contextlib.contextmanager
-def refusals_named(prompt_param: str) -> Iterator[None]:
+def refusals_named(prompt_param: str, served: int) -> Iterator[None]:
     """vLLM's renderer raises its refusals (a prompt past the served context, token ids out of
     the vocabulary): as this server's 400, naming the request's field."""
     try:
         yield
     except VLLMValidationError as error:
+        if error.parameter == "input_tokens":  # vLLM counts up to the first token too many
+            raise context_length_exceeded(
+                f"{prompt_param}: the prompt has at least {error.value} tokens; this server's maximum context is "
+                f"{served} tokens (prompt + completion)",
+                prompt_param) from None
         if error.parameter in PROMPT_LENGTH_PARAMS:
             raise context_length_exceeded(f"{prompt_param}: {error}", prompt_param) from None
         param = API_PARAMS.get(error.parameter, error.parameter) if error.parameter else prompt_param
