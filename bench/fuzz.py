@@ -57,7 +57,8 @@ def answers_by_status(log: str) -> dict[str, int]:
     """The server's answers from its log: '-> 400 code' lines for refusals, the per-request
     line's outcome for what reached the engine."""
     counts: Counter[str] = Counter(f"{status} {code}" for status, code in re.findall(r"-> (\d{3}) ([\w ]+?):", log))
-    counts.update(f"engine {outcome}" for outcome in re.findall(r"-\d+ (ok|error|aborted) settings=", log))
+    engine_lines = r"^\S+ \S+ \S+: \S+ (ok|error|aborted) settings="  # time, level, logger: id outcome
+    counts.update(f"engine {outcome}" for outcome in re.findall(engine_lines, log, re.M))
     return dict(counts.most_common())
 
 
