@@ -370,9 +370,14 @@ class ChoiceLogprobs(BaseModel):
         self.content = [*(self.content or []), *(more.content or [])]
 
 
+# The answer's role: the assistant's, or with add_generation_prompt false the last message's (it continues it)
+AnswerRole = Literal["assistant", "system", "developer", "user", "tool"]
+
+
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: AnswerRole = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # with finish_reason "tool_calls" (or "stop" for a named function)
 
 
 class ChatChoice(BaseModel):
@@ -393,7 +398,7 @@ class ChatCompletion(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: AnswerRole | None = None
     content: str | None = None
 
 
