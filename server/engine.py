@@ -30,7 +30,7 @@ from rope_plugins.settings import (ExtensionSettings, SettingsError, engine_defa
 
 from .auto import auto_settings
 from .config import AUTO, ServerConfig
-from .errors import (APIError, bad_request, context_length_exceeded, engine_unavailable, invalid_settings,
+from .errors import (bad_request, context_length_exceeded, engine_unavailable, invalid_settings,
                      model_not_found, printable, request_too_large, server_full)
 from .metrics import Metrics
 
