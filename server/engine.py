@@ -281,21 +281,18 @@ class EngineService:
             raise context_length_exceeded(f"{param}: the text has {characters} characters, so more than {served} "
                                           f"tokens, this server's maximum context", param)
 
-    def encode_text(self, text: str, add_special_tokens: bool = True, param: str | None = "prompt") -> list[int]:
-        """Token ids of a prompt; with ``param`` (a generation's prompt) a text that cannot fit
-        the served context is refused first. /tokenize passes None: counting the tokens of a
-        long text is its use (the body limit and admission bound its cost)."""
-        if param is not None:
-            self.check_text_length(len(text), param)
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text, for /tokenize: counting the tokens of a long text is its use, so
+        no length bound here (the body limit and admission bound its cost)."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_prompt(self, messages: list[dict[str, str]], bounded: bool = True) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, for /tokenize."""
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as error:  # a template that refuses the conversation (e.g. role order)
             raise bad_request(f"messages: the chat template refused them: {error}", param="messages") from None
-        # checked once rendered: the template adds text per message, so many short ones count too
-        return self.encode_text(text, add_special_tokens=False, param="messages" if bounded else None)
+        return self.encode_text(text, add_special_tokens=False)
 
     def resolve_settings(self, fields: dict[str, Any], prompt_tokens: int, max_tokens: int) -> ExtensionSettings:
         """The request's settings: server defaults overridden by ``fields``. ``auto`` is

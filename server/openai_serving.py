@@ -82,14 +82,11 @@ class ExtensionRenderer(OnlineRenderer):
         return result
 
 
-# vLLM's names for a prompt too long to serve (vllm/renderers/params.py)
-PROMPT_LENGTH_PARAMS = ("input_tokens", "input_text")
-
-
 @contextlib.contextmanager
 def refusals_named(prompt_param: str, served: int) -> Iterator[None]:
     """vLLM's renderer raises its refusals (a prompt past the served context, token ids out of
-    the vocabulary): as this server's 400, naming the request's field."""
+    the vocabulary): as this server's 400, naming the request's field. vLLM names a prompt too
+    long to serve ``input_tokens`` or ``input_text`` (vllm/renderers/params.py)."""
     try:
         yield
     except VLLMValidationError as error:
@@ -98,7 +95,7 @@ def refusals_named(prompt_param: str, served: int) -> Iterator[None]:
                 f"{prompt_param}: the prompt has at least {error.value} tokens; this server's maximum context is "
                 f"{served} tokens (prompt + completion)",
                 prompt_param) from None
-        if error.parameter in PROMPT_LENGTH_PARAMS:
+        if error.parameter == "input_text":  # so many characters that no tokenizing can fit them
             raise context_length_exceeded(f"{prompt_param}: {error}", prompt_param) from None
         param = API_PARAMS.get(error.parameter, error.parameter) if error.parameter else prompt_param
         raise bad_request(f"{param}: {error}", param=param) from None

@@ -11,7 +11,6 @@ vLLM's request models.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
@@ -343,10 +342,6 @@ class DetokenizeRequest(BaseModel):
 
 # ---- responses -------------------------------------------------------------------------
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -365,9 +360,6 @@ class TokenLogprob(TopLogprob):
 
 class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
-
-    def extend(self, more: "ChoiceLogprobs") -> None:
-        self.content = [*(self.content or []), *(more.content or [])]
 
 
 # The answer's role: the assistant's, or with add_generation_prompt false the last message's (it continues it)
@@ -397,38 +389,11 @@ class ChatCompletion(BaseModel):
     context_extension: dict[str, Any]  # the settings applied (also the x-context-extension header)
 
 
-class DeltaMessage(BaseModel):
-    role: AnswerRole | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
-
-    def extend(self, more: "CompletionLogprobs") -> None:
-        self.tokens += more.tokens
-        self.token_logprobs += more.token_logprobs
-        self.top_logprobs += more.top_logprobs
-        self.text_offset += more.text_offset
 
 
 class CompletionChoice(BaseModel):

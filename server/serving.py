@@ -177,11 +177,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll: float 
             task.cancel()
 
 
-def sse_event(data: dict[str, Any] | str, raw: bool = False) -> str:
-    """One server-sent event as the OpenAI streaming API sends it: ``data: {json}``."""
-    return f"data: {data if raw else json.dumps(data, separators=(',', ':'))}\n\n"
-
-
 async def responses_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
     """The Responses API's stream as server-sent events: each event's type and its JSON, as
     vLLM's own router writes them; an error after the 200 went out is an ``error`` event."""

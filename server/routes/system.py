@@ -60,9 +60,9 @@ async def tokenize(body: TokenizeRequest, service: EngineService = Depends(ready
     try:
         if body.messages is not None:
             messages = [message.for_template() for message in body.messages]
-            tokens = await asyncio.to_thread(service.chat_prompt, messages, False)
+            tokens = await asyncio.to_thread(service.chat_prompt, messages)
         else:
-            tokens = await asyncio.to_thread(service.encode_text, body.prompt, body.add_special_tokens, None)
+            tokens = await asyncio.to_thread(service.encode_text, body.prompt, body.add_special_tokens)
     finally:
         admission.release()
     return TokenizeResponse(count=len(tokens), max_model_len=service.config.max_model_len, tokens=tokens)
