@@ -43,6 +43,7 @@ COPY pyproject.toml Makefile README.md ./
 COPY scripts/ scripts/
 COPY rope_plugins/ rope_plugins/
 COPY server/ server/
+COPY deploy/ deploy/
 RUN ./scripts/install.sh
 # the benchmarks' scripts, after the install (they change more often): bench/gpu_check.py on a GPU
 COPY bench/ bench/
@@ -72,4 +73,4 @@ VOLUME ["/models"]
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
-ENTRYPOINT ["python", "-m", "server"]
+ENTRYPOINT ["python", "-m", "rope_plugins.server"]

@@ -9,7 +9,7 @@ install:
 
 # the server on 127.0.0.1:8000 with the embedded default model; `make run ARGS="--help"` for flags
 run: install
-	$(PY) -m server $(ARGS)
+	$(PY) -m rope_plugins.server $(ARGS)
 
 base-bound: install
 	$(PY) bench/base_bound.py

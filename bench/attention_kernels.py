@@ -87,8 +87,8 @@ def plugin_attention(window: int):
     """The plugin's one-pass prefill as the attention calls it (rope_plugins.ops.cpu.prefill_kernel:
     keys and values read out of the paged cache, then the kernel), with identity rotations (so its
     answer is plain causal attention); the cache is written outside the timing."""
+    from rope_plugins.attention.planner import PrefillRow, QueryPlan, Rotation
     from rope_plugins.ops import cpu
-    from rope_plugins.planner import PrefillRow, QueryPlan, Rotation
 
     caches = {}
 
@@ -144,8 +144,8 @@ def plugin_decode(window: int, far_rule: bool):
     """The plugin's C++ decode on its own cache layout ``[blocks, kv, bs, 2d]``, with identity
     rotations (its answer is plain attention) but the work of a ``window``-token band and, with
     ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods)."""
+    from rope_plugins.attention.planner import DECODE_FAR_STEP, Rotation
     from rope_plugins.ops import native
-    from rope_plugins.planner import DECODE_FAR_STEP, Rotation
 
     def prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         rows, seq = key.shape[:2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,7 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from base_bound import base_bound  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's root
+from bench.base_bound import base_bound  # noqa: E402
 
 SEED_ROW = {1024 * 2**i: value for i, value in enumerate(
     [4.3e3, 1.2e4, 2.7e4, 8.4e4, 2.3e5, 6.3e5, 2.1e6, 4.9e6, 2.4e7, 5.8e7, 6.5e7])}

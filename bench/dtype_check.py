@@ -36,7 +36,7 @@ QUESTIONS = {  # how each model is asked (a chat, or a text to complete), what, 
 
 def real_text_ids(tokenizer, count: int = TEXT_TOKENS) -> list[int]:
     """The first ``count`` tokens of the corpus (CPython's documentation) under ``tokenizer``."""
-    from deploy.corpus import load_corpus
+    from rope_plugins.deploy.corpus import load_corpus
 
     return tokenizer(load_corpus("pydoc")[: count * 8]).input_ids[:count]
 
@@ -46,8 +46,8 @@ def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str)
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from rope_plugins.engine import engine_kwargs, extension_request
-    from rope_plugins.settings import engine_defaults
+    from rope_plugins.frontend.engine_args import engine_kwargs, extension_request
+    from rope_plugins.rules.settings import engine_defaults
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     text_ids = real_text_ids(tokenizer)
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from tqdm import tqdm
 
-    from rope_plugins.engine import compute_on_every_core
-    from server.provision import is_ready, provision
-    from server.models import model_source
+    from rope_plugins.frontend.engine_args import compute_on_every_core
+    from rope_plugins.server.catalog import model_source
+    from rope_plugins.server.provision import is_ready, provision
 
     compute_on_every_core()
     names = args.models or [name for name in QUESTIONS if is_ready(model_source(name))]

@@ -4,7 +4,7 @@
     .venv/bin/python bench/evaluate.py --quick    # 9k tokens, the methods' loss and accuracy
     .venv/bin/python bench/evaluate.py --table    # summary files and bench/README.md's tables from the results log
 
-Starts ``python -m server`` on SmolLM2-135M-Instruct (trained at 8,192 tokens) and, over HTTP
+Starts ``python -m rope_plugins.server`` on SmolLM2-135M-Instruct (trained at 8,192 tokens) and, over HTTP
 with the openai client, for each method (none, pi, ntk_old, ntk_fixed, ntk_mixed, yarn,
 rerope, leaky_rerope, self_extend, ntk_dynamic; each with and without log_n; the frequency
 methods also with ``factor: "auto"``; and the server's ``auto``) and context length:
@@ -48,7 +48,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rope_plugins.settings import AUTO, ExtensionSettings, length_factor, positions_used
+from rope_plugins.rules.settings import AUTO, ExtensionSettings, length_factor, positions_used
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -82,7 +82,7 @@ def configs(methods: list[str], log_n_too: bool) -> list[dict]:
     return grid
 
 
-# the ablated setting of each method and its default (rope_plugins/settings.py)
+# the ablated setting of each method and its default (rope_plugins/rules/settings.py)
 ABLATED = {"rerope": ("window", TRAIN_LENGTH // 4), "leaky_rerope": ("window", TRAIN_LENGTH // 4),
            "self_extend": ("group", 8), "ntk_mixed": ("beta", 0.625)}
 
@@ -245,7 +245,7 @@ class Evaluator:
         import httpx
         from openai import OpenAI
 
-        from deploy.corpus import load_corpus
+        from rope_plugins.deploy.corpus import load_corpus
 
         self.http = httpx.Client(base_url=base, timeout=7200,
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -723,7 +723,7 @@ def main() -> int:
 
     from tqdm import tqdm
 
-    from launcher import running_server
+    from rope_plugins.testing.launcher import running_server
 
     records = current_records(args.runs) if args.runs.exists() else []  # a loss of an older text is measured again
     done = {record_key(r) for r in records}
@@ -793,7 +793,7 @@ def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, 
     print(tables)
     print(f"wrote {out_dir / stem}.json, .csv, .png; {len(jobs) - len(missing)} of {len(jobs)} planned measurements done")
     if document:
-        from readme import DOCUMENT, write_block
+        from bench.readme import DOCUMENT, write_block
 
         write_block(stem, tables)
         print(f"rewrote the {stem}.json block of {DOCUMENT}")

@@ -3,7 +3,7 @@
     .venv/bin/python bench/fuzz.py                     # 500 examples per operation, seed 0
     .venv/bin/python bench/fuzz.py --examples 2000 --seed 7
 
-Starts ``python -m server`` on the real default model with small limits (a 512-token context,
+Starts ``python -m rope_plugins.server`` on the real default model with small limits (a 512-token context,
 4 running + 4 waiting sequences), so that every generated request that reaches the engine
 ends in seconds, then runs schemathesis (examples, coverage and fuzzing phases; positive and
 negative data) with the checks: no 5xx, every status, content type and body as documented,
@@ -11,7 +11,7 @@ schema-violating data refused. Generated bodies name the served model and ask fo
 at most (bench/fuzz_hooks.py) where the schema allows it. Writes bench/results/fuzz.json:
 the requests sent, schemathesis' failures, the server's answers by status (from its log),
 tracebacks in the log, and whether the engine still served at the end.
-``tests/test_server_robustness.py`` runs the same with a small budget.
+``tests/server/test_server_robustness.py`` runs the same with a small budget.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import httpx
 
-    from launcher import running_server
+    from rope_plugins.testing.launcher import running_server
 
     api_key = "fuzz-key"
     args.out.parent.mkdir(parents=True, exist_ok=True)

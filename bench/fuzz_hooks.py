@@ -8,7 +8,7 @@ import os
 
 import schemathesis
 
-from server.schemas import MAX_INT32, MAX_NAME_CHARS
+from rope_plugins.server.schemas import MAX_INT32, MAX_NAME_CHARS
 
 MODEL = os.environ.get("FUZZ_MODEL", "SmolLM2-135M-Instruct")
 MAX_TOKENS = 4

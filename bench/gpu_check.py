@@ -7,7 +7,7 @@ plugin against stock vLLM here?
     .venv/bin/python bench/gpu_check.py --interpret        # the kernels, small, on this CPU
 
 1. **The kernels** (``rope_plugins/ops/gpu.py``) against the float64 oracle
-   (``rope_plugins/reference.py``, computed on the CPU for each step's query rows only), one
+   (``rope_plugins/testing/reference.py``, computed on the CPU for each step's query rows only), one
    step per (head shape, dtype): head size 128 with GQA as Llama 3 8B (32 query / 8 KV heads)
    and 7:1 as Qwen2.5 7B (28 / 4), head size 64 at 7:1 as Qwen2.5 0.5B (14 / 2); float32
    (IEEE dots), float16 and bfloat16, each with its tolerance on the error relative to the
@@ -22,7 +22,7 @@ plugin against stock vLLM here?
    FlashAttention on most GPUs; ``max_position_embeddings`` raised so it accepts the lengths)
    and the plugin's engine (ReRoPE, Leaky ReRoPE, ntk_mixed per request), both in this process
    (each given ``--gpu-memory-utilization`` of the GPU) on ``--model`` (a short name
-   ``server/models.py`` provisions, or a checkpoint directory). Per length and configuration,
+   ``server/catalog.py`` provisions, or a checkpoint directory). Per length and configuration,
    interleaved and in a rotating order (``bench/speed.py``'s ``SideBySide``): prefill time of
    a fresh prompt and time per output token on the cached prompt; medians over ``--reps``.
 
@@ -33,7 +33,7 @@ part, and prints a summary. Exit status: 0 when every kernel case is within its 
 
 ``--interpret`` runs part 1 at small sizes on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, set here before the kernels are imported), in float32 and float16
-(the interpreter's bfloat16 dots are not trustworthy); ``tests/test_gpu_check.py`` runs it,
+(the interpreter's bfloat16 dots are not trustworthy); ``tests/bench/test_gpu_check.py`` runs it,
 and part 2's loop on a stand-in for the engines. The machines this was written on have no
 GPU: part 1 on a GPU and part 2 have never run (docs/design.md says what is verified). If
 the plugin's engine fails to start on vLLM's V2 model runner, ``--model-runner v1`` runs both
@@ -87,7 +87,7 @@ class Sizes:
     shapes: tuple[Shape, ...]
     train_length: int
     rows: tuple[tuple[dict, int, int], ...]  # (settings fields, context, new tokens)
-    query_tile: int | None = None  # None: the engine's (rope_plugins/planner.py)
+    query_tile: int | None = None  # None: the engine's (rope_plugins/attention/planner.py)
     min_split_keys: int | None = None
 
 
@@ -139,7 +139,7 @@ SMALL = Sizes(
 
 def step_rows(sizes: Sizes) -> list:
     """The sizes' rows as the step builder takes them: (settings, context, new tokens)."""
-    from rope_plugins.settings import ExtensionSettings
+    from rope_plugins.rules.settings import ExtensionSettings
 
     return [(ExtensionSettings(train_length=sizes.train_length, **fields), context, new)
             for fields, context, new in sizes.rows]
@@ -162,8 +162,8 @@ def run_kernels(step, device: torch.device, sizes: Sizes) -> tuple[torch.Tensor,
     """The step through the three kernels as the engine runs them: its keys and values
     written (with padded tokens) into a cache whose slots for them hold NaN, then prefill and
     decode. Returns the output (CPU) and whether the cache write left the cache exactly right."""
+    from rope_plugins.attention.planner import kernel_plan
     from rope_plugins.ops import gpu
-    from rope_plugins.planner import kernel_plan
 
     step = step.to(device)
     cache = step.cache.clone()
@@ -203,8 +203,9 @@ def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, tol
 
 def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float], device: torch.device) -> dict:
     """Part 1: every shape in every dtype; the oracle once per shape."""
-    from paged_steps import paged_step
     from tqdm import tqdm
+
+    from rope_plugins.testing.paged_steps import paged_step
 
     rows, cases = step_rows(sizes), []
     with tqdm(total=len(sizes.shapes) * (len(rows) + len(dtypes)), desc="kernels", unit="step") as bar:
@@ -277,8 +278,9 @@ def speed_runs(engines, *, lengths: list[int], reps: int, decode_tokens: int, co
                on_sample=lambda samples: None) -> dict:
     """Prefill and time per output token of every configuration at every length, ``reps``
     times, interleaved (``speed.rotated``); ``on_sample`` sees the samples after each run."""
-    from speed import rotated
     from tqdm import tqdm
+
+    from bench.speed import rotated
 
     samples = {c: {str(n): {"prefill": [], "tpot": []} for n in lengths} for c in configs}
     rng = random.Random(0)
@@ -308,9 +310,8 @@ def measure_speed(args: argparse.Namespace, write) -> dict:
     """Part 2 on CUDA: both engines, the runs, the medians (``write`` keeps the partial report)."""
     if args.model_runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.model_runner == "v2" else "0"
-    from speed import SideBySide
-
-    from server.__main__ import resolve_model
+    from bench.speed import SideBySide
+    from rope_plugins.server.__main__ import resolve_model
 
     model = resolve_model(args.model)
     longest = max(args.lengths) + args.decode_tokens + 64
@@ -391,7 +392,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-kernels", action="store_true", help="no part 1")
     parser.add_argument("--skip-speed", action="store_true", help="no part 2")
     parser.add_argument("--model", default=None,
-                        help="part 2's model: a short name (server/models.py) or a checkpoint directory "
+                        help="part 2's model: a short name (server/catalog.py) or a checkpoint directory "
                              "(default: the served default, smollm2-135m)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--reps", type=int, default=3)

@@ -38,9 +38,9 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
-    from rope_plugins.settings import engine_defaults
-    from server.provision import provision_default_model
+    from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs, extension_request
+    from rope_plugins.rules.settings import engine_defaults
+    from rope_plugins.server.provision import provision_default_model
 
     model = str(provision_default_model())
     max_len = 1 << (args.length + args.new_tokens + 64 - 1).bit_length()
@@ -58,7 +58,7 @@ def main() -> None:
         defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
         settings = [{"method": args.config}] * len(prompts)
         if args.config == "mixed":
-            from speed import BATCH_MIX  # this script's folder is on the path
+            from bench.speed import BATCH_MIX  # this script's folder is on the path
 
             settings = [BATCH_MIX[i % len(BATCH_MIX)] for i in range(len(prompts))]
         built = [extension_request(p, params, s, defaults) for p, s in zip(prompts, settings)]

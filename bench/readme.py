@@ -61,7 +61,7 @@ def replace_block(text: str, name: str, content: str) -> str:
 def generated(name: str, results: Path = RESULTS) -> str:
     """The block ``name`` as its results file renders it now."""
     module, function = RENDERERS[name]
-    render = getattr(importlib.import_module(module), function)
+    render = getattr(importlib.import_module(f"bench.{module}"), function)
     return render(json.loads((results / f"{name}.json").read_text()))
 
 
@@ -71,7 +71,7 @@ def write_block(name: str, content: str, document: Path = DOCUMENT) -> None:
 
 def loadtest_markdown(report: dict) -> str:
     """deploy/loadtest.py's own summary of a run, with what was run where."""
-    from deploy.loadtest import summary
+    from rope_plugins.deploy.loadtest import summary
 
     c = report["config"]
     lengths = ", ".join(f"{n:,}" for n in c["prompt_lengths"])

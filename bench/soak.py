@@ -4,7 +4,7 @@
     .venv/bin/python bench/soak.py                      # 20 minutes, writes bench/results/soak.{json,png}
     .venv/bin/python bench/soak.py --minutes 2 --out /tmp/soak.json
 
-Starts ``python -m server`` with ``make run``'s settings (only the log level lowered), runs
+Starts ``python -m rope_plugins.server`` with ``make run``'s settings (only the log level lowered), runs
 deploy/loadtest.py against it (prompts of 1k-16k tokens, past the 8k training length, four at
 a time, a mix of methods) and samples the resident memory of the server and its engine
 processes every few seconds. Reports the load test's figures (error rate, TTFT, the p99 gap
@@ -64,7 +64,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from deploy import loadtest
+    from rope_plugins.deploy import loadtest
 
     figure, (memory, gaps) = plt.subplots(1, 2, figsize=(11, 4.2))
     samples = report["rss"]
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from deploy import loadtest
-    from launcher import running_server
+    from rope_plugins.deploy import loadtest
+    from rope_plugins.testing.launcher import running_server
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     load_path = args.out.with_name(args.out.stem + "_load.json")

@@ -78,7 +78,7 @@ class SideBySide:
     salted for the prefix cache like any other's)."""
 
     def __init__(self, stock, plugin) -> None:
-        from rope_plugins.settings import engine_defaults
+        from rope_plugins.rules.settings import engine_defaults
 
         self.stock, self.plugin = stock, plugin
         self.defaults = engine_defaults(plugin.llm_engine.vllm_config.model_config.hf_config)
@@ -91,7 +91,7 @@ class SideBySide:
         prompt, the plugin's default method ReRoPE."""
         from vllm import LLM
 
-        from rope_plugins.engine import engine_kwargs
+        from rope_plugins.frontend.engine_args import engine_kwargs
 
         stock = LLM(model=model, hf_overrides={"max_position_embeddings": common["max_model_len"]}, **common)
         return cls(stock, LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common)))
@@ -104,7 +104,7 @@ class SideBySide:
         """Seconds for one request of ``ids`` and ``max_tokens`` new tokens (greedy, past EOS)."""
         from vllm import SamplingParams
 
-        from rope_plugins.engine import extension_request
+        from rope_plugins.frontend.engine_args import extension_request
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         if config == "stock":
@@ -221,8 +221,8 @@ def main() -> None:
     from tqdm import tqdm
     from vllm import SamplingParams
 
-    from rope_plugins.engine import compute_on_every_core, extension_request
-    from server.provision import provision_default_model
+    from rope_plugins.frontend.engine_args import compute_on_every_core, extension_request
+    from rope_plugins.server.provision import provision_default_model
 
     model = str(provision_default_model())
     bandwidth = memory_bandwidth()  # before the engines start: the machine alone

@@ -34,9 +34,9 @@ WORKLOAD = ["--requests", "8", "--concurrency", "2", "--prompt-lengths", "1024,4
 
 
 def run_config(budget: int, reserved: int | None, out_dir: Path) -> dict:
-    from deploy import loadtest
-    from rope_plugins.engine import RESERVED_CORES_ENV
-    from launcher import running_server
+    from rope_plugins.deploy import loadtest
+    from rope_plugins.frontend.engine_args import RESERVED_CORES_ENV
+    from rope_plugins.testing.launcher import running_server
 
     flags = ["--max-num-batched-tokens", str(budget), "--enforce-eager", "--log-level", "warning"]
     name = f"step_budget_{budget}" + ("" if reserved is None else f"_reserved{reserved}")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rope_plugins.reference import UnrotatedRotaryEmbedding
+from rope_plugins.testing.reference import UnrotatedRotaryEmbedding
 
 RESULTS = Path(__file__).parent / "results"
 ATTENTION_NAME = "rerope_reference_style"
@@ -97,8 +97,8 @@ def baseline_generate(model_dir: str, ids: list[int], new_tokens: int, window: i
 def plugin_generate(model_dir: str, ids: list[int], new_tokens: int, window: int) -> tuple[list[int], float]:
     from vllm import LLM, SamplingParams
 
-    from rope_plugins.engine import compute_on_every_core, engine_kwargs, extension_request
-    from rope_plugins.settings import engine_defaults
+    from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs, extension_request
+    from rope_plugins.rules.settings import engine_defaults
 
     max_len = 1 << (len(ids) + new_tokens).bit_length()
     compute_on_every_core()
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "transformers_baseline.json")
     args = parser.parse_args()
 
-    from server.provision import provision_default_model
+    from rope_plugins.server.provision import provision_default_model
 
     model_dir = str(provision_default_model())
     rng = random.Random(0)

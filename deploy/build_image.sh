@@ -214,7 +214,7 @@ setsid buildah run --isolation chroot \
     "${run_volumes[@]}" --volume "$MODELS:/models" \
     --env PIP_CONFIG_FILE=/mnt/run.conf \
     --env ROPE_EXTEND_HOST=127.0.0.1 --env ROPE_EXTEND_PORT="$PORT" \
-    "$CONTAINER" -- python -m server > "$LOGS/server.log" 2>&1 &
+    "$CONTAINER" -- python -m rope_plugins.server > "$LOGS/server.log" 2>&1 &
 SERVER_PID=$!
 url="http://127.0.0.1:$PORT"
 last=""

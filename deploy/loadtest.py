@@ -118,7 +118,7 @@ async def run(args) -> dict:
     from openai import AsyncOpenAI
     from tqdm import tqdm
 
-    from deploy.corpus import load_corpus
+    from rope_plugins.deploy.corpus import load_corpus
 
     require_loopback(args.url)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

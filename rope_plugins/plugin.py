@@ -2,12 +2,15 @@
 
 vLLM loads general plugins in every process it starts, possibly several times: each
 registration checks first. Models are registered by class path, so only the processes that
-build one import :mod:`rope_plugins.model`.
+build one import :mod:`rope_plugins.models.families`.
 """
 
 from __future__ import annotations
 
 BACKEND_NAME = "ROPE_EXTEND"
+# where the engine's config says which attention ops to run (``additional_config``)
+OPS_KEY = "rope_extend_attention_ops"
+ATTENTION_OPS = ("cpu", "triton")
 # The stock architectures served with rotation moved into the plugin's attention.
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 
@@ -24,6 +27,6 @@ def register() -> None:
     for family in FAMILIES:
         name = extended_architecture(family)
         if name not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(name, f"rope_plugins.model:{name}")
+            ModelRegistry.register_model(name, f"rope_plugins.models.families:{name}")
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, "rope_plugins.attention.RopeExtendAttentionBackend")
+        register_backend(BACKEND_NAME, "rope_plugins.attention.backend.RopeExtendAttentionBackend")

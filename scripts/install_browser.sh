@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian's Chromium for the playground's browser tests (tests/test_playground.py), which drive it
+# Debian's Chromium for the playground's browser tests (tests/server/test_playground.py), which drive it
 # with Playwright's library (no browser download). Idempotent: nothing to do once it is there.
 # `make test` runs it; `make run` does not need a browser.
 set -euo pipefail

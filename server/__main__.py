@@ -1,4 +1,4 @@
-"""``python -m server``: provision the model if needed (``--model`` a short name, or none for the default),
+"""``python -m rope_plugins.server``: provision the model if needed (``--model`` a short name, or none for the default),
 then serve on 127.0.0.1:8000."""
 
 from __future__ import annotations
@@ -7,19 +7,18 @@ import logging
 import os
 import sys
 
-from rope_plugins.engine import compute_on_every_core
-
-from .config import parse_config
+from rope_plugins.frontend.engine_args import compute_on_every_core
+from rope_plugins.server.config import parse_config
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_model(model: str | None) -> str:
     """The checkpoint directory to serve: a short name (or none, the default) is provisioned."""
-    from .models import DEFAULT_MODEL, MODELS
+    from rope_plugins.server.catalog import DEFAULT_MODEL, MODELS
 
     if model is None or model in MODELS:
-        from .provision import provision
+        from rope_plugins.server.provision import provision
 
         return str(provision(model or DEFAULT_MODEL))
     return model
@@ -40,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(config.model)
     import uvicorn
 
-    from .app import EXIT_ENGINE_FAILED, create_app
-    from .slow_clients import read_deadline_protocol
+    from rope_plugins.server.app import EXIT_ENGINE_FAILED, create_app
+    from rope_plugins.server.slow_clients import read_deadline_protocol
 
     logger.info("listening on http://%s:%d (the engine starts now; /health says when it is ready)%s",
                 config.host, config.port, "; the playground is at /" if config.playground else "")

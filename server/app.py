@@ -6,7 +6,7 @@ it is ready.
 
 If the engine fails to start, or dies later, the server does not linger serving 503: the
 requests in flight fail (503; a stream gets an error event and ``[DONE]``), then the app asks
-its ASGI server to stop (``app.state.stop_serving``) and ``python -m server`` exits with
+its ASGI server to stop (``app.state.stop_serving``) and ``python -m rope_plugins.server`` exits with
 status :data:`EXIT_ENGINE_FAILED`, so that whatever supervises it (compose's restart policy,
 Kubernetes, systemd) starts a fresh one.
 """
@@ -24,11 +24,11 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
-from .config import ServerConfig
-from .engine import EngineService
-from .errors import install_error_handlers
-from .metrics import Metrics
-from .routes import chat, completions, models, playground, responses, system
+from rope_plugins.server.config import ServerConfig
+from rope_plugins.server.errors import install_error_handlers
+from rope_plugins.server.metrics import Metrics
+from rope_plugins.server.routes import chat, completions, models, playground, responses, system
+from rope_plugins.server.service import EngineService
 
 logger = logging.getLogger(__name__)
 

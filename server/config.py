@@ -14,9 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from rope_plugins.settings import AUTO, METHOD_NAMES
-
-from .models import DEFAULT_MODEL, MODELS
+from rope_plugins.rules.settings import AUTO, METHOD_NAMES
+from rope_plugins.server.catalog import DEFAULT_MODEL, MODELS
 
 ENV_PREFIX = "ROPE_EXTEND_"
 
@@ -104,7 +103,7 @@ def env_name(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m server",
+        prog="python -m rope_plugins.server",
         description="OpenAI-compatible server for RoPE models past their training length "
                     "(ReRoPE, Leaky ReRoPE, NTK, PI, YaRN, log-n; per request).",
         epilog=f"Every flag can also be set by the environment variable {ENV_PREFIX}<FLAG_NAME>, "

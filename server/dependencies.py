@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .engine import EngineService
-from .errors import invalid_api_key
+from rope_plugins.server.errors import invalid_api_key
+from rope_plugins.server.service import EngineService
 
 _bearer = HTTPBearer(auto_error=False)
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .schemas import ErrorBody, ErrorResponse, SamplingFields
+from rope_plugins.server.schemas import ErrorBody, ErrorResponse, SamplingFields
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ parsers, structured outputs, sampling fields, log-probabilities and streaming fo
 ``/detokenize`` is its ``ServingTokenization``. They are built here as vLLM's own
 ``init_app_state`` builds them, with two of this project's pieces where vLLM leaves a seam:
 
-- the engine client is :class:`server.engine.ExtensionEngine` (vLLM's ``AsyncLLM``), which gives
+- the engine client is :class:`rope_plugins.server.service.ExtensionEngine` (vLLM's ``AsyncLLM``), which gives
   every engine request its resolved ``context_extension`` settings and measures it;
 - the renderer is :class:`ExtensionRenderer` (vLLM's ``OnlineRenderer``), which checks each
   rendered prompt against this server's bounds and resolves its settings before anything
@@ -34,10 +34,10 @@ from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.exceptions import VLLMValidationError
 from vllm.renderers.online_renderer import OnlineRenderer
 
-from .errors import API_PARAMS, bad_request, context_length_exceeded
+from rope_plugins.server.errors import API_PARAMS, bad_request, context_length_exceeded
 
 if TYPE_CHECKING:
-    from .engine import EngineService
+    from rope_plugins.server.service import EngineService
 
 # vLLM's defaults for what `vllm serve` takes as flags, the ones this server does not expose
 CHAT_TEMPLATE_CONTENT_FORMAT = "auto"

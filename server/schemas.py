@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from rope_plugins.settings import METHOD_NAMES, SELF_EXTEND_GROUPS, ExtensionSettings
+from rope_plugins.rules.settings import METHOD_NAMES, SELF_EXTEND_GROUPS, ExtensionSettings
 
 # Bounds on what a request may ask for. Integers that reach the engine stay inside its int32
 # / int64 fields; lists and strings are bounded so that validation itself stays cheap.
@@ -66,7 +66,7 @@ def settings_field_schema(name: str, **extra: Any) -> WithJsonSchema:
 class ContextExtension(BaseModel):
     """Per-request RoPE extension (the ``context_extension`` body field; ``extra_body`` in the
     OpenAI clients). Unset fields take the server's defaults; checked fully by
-    :func:`rope_plugins.settings.parse_settings` once the prompt length is known."""
+    :func:`rope_plugins.rules.settings.parse_settings` once the prompt length is known."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -26,9 +26,17 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from .engine import REQUESTED_KEY, EngineService, applied_settings
-from .errors import (API_PARAMS, APIError, ClientDisconnected, engine_refusal, engine_unavailable, error_body,
-                     log_failure, validation_error)
+from rope_plugins.server.errors import (
+    API_PARAMS,
+    APIError,
+    ClientDisconnected,
+    engine_refusal,
+    engine_unavailable,
+    error_body,
+    log_failure,
+    validation_error,
+)
+from rope_plugins.server.service import REQUESTED_KEY, EngineService, applied_settings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,7 +47,7 @@ Handler = Callable[[Any, Request], Awaitable[Any]]
 
 def vllm_request(body: Any, model: type[BaseModel]) -> Any:
     """``body`` as vLLM's request ``model``, carrying its context_extension fields for the engine
-    (:data:`server.engine.REQUESTED_KEY`); vLLM's own checks of a nested object (a tool, a
+    (:data:`rope_plugins.server.service.REQUESTED_KEY`); vLLM's own checks of a nested object (a tool, a
     response format) are a 400 naming the field."""
     try:
         request = model.model_validate(body.vllm_fields())

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import error_body
+from rope_plugins.server.errors import error_body
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +13,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# the benchmark scripts and the server launcher the tests share with them
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from reference_forward import ReferenceModel  # noqa: E402
-from tiny_models import LLAMA3_ROPE, TRAIN_LENGTH, make_tiny_model
+from tests.support.reference_forward import ReferenceModel
+from tests.support.tiny_models import LLAMA3_ROPE, TRAIN_LENGTH, make_tiny_model
 
 ENGINE_DEFAULTS = {"method": "rerope", "window": 37}
 MAX_MODEL_LEN = 1024
@@ -48,7 +43,7 @@ def running_engine(model_dir, **engine):
     down on exit."""
     from vllm import LLM
 
-    from rope_plugins.engine import compute_on_every_core, engine_kwargs
+    from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs
 
     compute_on_every_core(int(engine.get("tensor_parallel_size", 1)))
     kwargs = engine_kwargs(str(model_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN,
@@ -106,7 +101,7 @@ def reference_model(tiny_llama_dir):
 
 @pytest.fixture(scope="session")
 def engine_defaults():
-    from rope_plugins.settings import ExtensionSettings
+    from rope_plugins.rules.settings import ExtensionSettings
 
     return ExtensionSettings(train_length=TRAIN_LENGTH, **ENGINE_DEFAULTS)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ..planner import DECODE_FAR_STEP, DecodePlan, PrefillRow, QueryPlan, Rotation
-from ..rotary import rotate_by
-from . import native
-from .merge import merge_partials
+from rope_plugins.attention.planner import DECODE_FAR_STEP, DecodePlan, PrefillRow, QueryPlan, Rotation
+from rope_plugins.ops import native
+from rope_plugins.ops.merge import merge_partials
+from rope_plugins.rules.rotary import rotate_by
 
 
 def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

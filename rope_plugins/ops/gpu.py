@@ -24,13 +24,11 @@ the tests' way to check the GPU path without a GPU.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ..planner import KEY_TILE, KernelPlan
+from rope_plugins.attention.planner import KEY_TILE, KernelPlan
 
 
 @triton.jit

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ..planner import Rotation
+from rope_plugins.attention.planner import Rotation
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "write_cache.cpp", "cache_layout.cpp",
                          "bindings.cpp")]
 # Reassociation lets the compiler vectorise the dot products; inf/nan semantics are kept.
@@ -30,7 +30,7 @@ SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
 MARCH_ENV = "ROPE_EXTEND_MARCH"
 MARCH = os.environ.get(MARCH_ENV, "native")
 # -fopenmp: ATen's parallel_for is an inline OpenMP region, so without it the kernel's
-# chunks run one after another on one core (tests/test_attention.py checks the build).
+# chunks run one after another on one core (tests/attention/test_attention.py checks the build).
 # -fno-math-errno lets `omp simd` loops call the vector exp (glibc's libmvec).
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fno-math-errno"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChatRequest
 
-from ..dependencies import ReadyService, require_api_key
-from ..errors import STREAMED_RESPONSES, bad_request
-from ..schemas import ChatCompletion, ChatCompletionRequest
-from ..serving import serve, vllm_request
+from rope_plugins.server.dependencies import ReadyService, require_api_key
+from rope_plugins.server.errors import STREAMED_RESPONSES, bad_request
+from rope_plugins.server.schemas import ChatCompletion, ChatCompletionRequest
+from rope_plugins.server.serving import serve, vllm_request
 
 router = APIRouter(tags=["chat"], dependencies=[Depends(require_api_key)])
 

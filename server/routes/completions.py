@@ -9,10 +9,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletionRequest
 
-from ..dependencies import ReadyService, require_api_key
-from ..errors import STREAMED_RESPONSES
-from ..schemas import Completion, CompletionRequest
-from ..serving import serve, vllm_request
+from rope_plugins.server.dependencies import ReadyService, require_api_key
+from rope_plugins.server.errors import STREAMED_RESPONSES
+from rope_plugins.server.schemas import Completion, CompletionRequest
+from rope_plugins.server.serving import serve, vllm_request
 
 router = APIRouter(tags=["completions"], dependencies=[Depends(require_api_key)])
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from ..dependencies import ready_service, require_api_key
-from ..engine import EngineService
-from ..errors import ERROR_RESPONSES
-from ..schemas import ModelCard, ModelList, RotaryCard
+from rope_plugins.server.dependencies import ready_service, require_api_key
+from rope_plugins.server.errors import ERROR_RESPONSES
+from rope_plugins.server.schemas import ModelCard, ModelList, RotaryCard
+from rope_plugins.server.service import EngineService
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 

@@ -10,11 +10,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from rope_plugins.methods import METHODS
-
-from ..config import AUTO, ServerConfig
-from ..dependencies import get_service
-from ..engine import EngineService
+from rope_plugins.rules.methods import METHODS
+from rope_plugins.server.config import AUTO, ServerConfig
+from rope_plugins.server.dependencies import get_service
+from rope_plugins.server.service import EngineService
 
 PAGE = Path(__file__).resolve().parent.parent / "playground"
 ASSETS_AT = "/playground/static"  # the page's script and style (index.html names them)

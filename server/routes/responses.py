@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as VllmResponsesRequest
 
-from ..dependencies import ReadyService, require_api_key
-from ..errors import STREAMED_RESPONSES
-from ..schemas import ResponsesRequest
-from ..serving import responses_events, serve, vllm_request
+from rope_plugins.server.dependencies import ReadyService, require_api_key
+from rope_plugins.server.errors import STREAMED_RESPONSES
+from rope_plugins.server.schemas import ResponsesRequest
+from rope_plugins.server.serving import responses_events, serve, vllm_request
 
 router = APIRouter(tags=["responses"], dependencies=[Depends(require_api_key)])
 

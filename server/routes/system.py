@@ -6,16 +6,22 @@ import asyncio
 from importlib.metadata import version as package_version
 
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import BaseModel
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest as VllmDetokenizeRequest
 
-from ..dependencies import get_service, ready_service, require_api_key
-from ..engine import EngineService
-from ..errors import ERROR_RESPONSES
-from ..schemas import DetokenizeRequest, DetokenizeResponse, HealthStatus, TokenizeRequest, TokenizeResponse
-from ..serving import refusal
+from rope_plugins.server.dependencies import get_service, ready_service, require_api_key
+from rope_plugins.server.errors import ERROR_RESPONSES
+from rope_plugins.server.schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthStatus,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from rope_plugins.server.service import EngineService
+from rope_plugins.server.serving import refusal
 
 router = APIRouter(tags=["system"])
 

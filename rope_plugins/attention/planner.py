@@ -1,0 +1,456 @@
+"""A step's rows and their settings turned into a typed plan, once per step for all layers.
+
+The plan says, for every query token, the rotations of its near and far query; for every
+prefill row, where its near band and far part lie; for all decode rows together, which cache
+blocks to read, which keys to keep, the band keys' rotations and which far-key table each row
+uses. Every tensor is built here, on the CPU, so the attention ops only index and compute.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from rope_plugins.rules.rotary import dynamic_length, log_n_scale
+from rope_plugins.rules.settings import DYNAMIC_STEP
+from rope_plugins.worker.row_tables import RowTables
+
+PREFILL_TILE = 256  # queries per near-band tile in prefill (at most the window)
+FAR_TABLES_KEPT = 16  # far-key rotation tables kept between steps (one per distinct (θ, ρ))
+
+DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many keys (csrc/decode_attention.cpp)
+
+# the Triton kernels' tiling (rope_plugins/ops/gpu.py)
+QUERY_TILE = 32  # queries per prefill program
+KEY_TILE = 32  # keys per inner step, prefill and decode
+DECODE_SPLITS = 16  # splits of the longest decode row (each at least MIN_SPLIT_KEYS keys)
+MIN_SPLIT_KEYS = 256
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """cos and sin of float64 angles, cast for the model (angles stay exact to 1e-12)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, angle: torch.Tensor, dtype: torch.dtype) -> "Rotation":
+        return cls(cos=angle.cos().to(dtype), sin=angle.sin().to(dtype))
+
+    def __getitem__(self, index) -> "Rotation":
+        return Rotation(cos=self.cos[index], sin=self.sin[index])
+
+
+@dataclass(frozen=True)
+class QueryPlan:
+    """Every query token of the step: ``[T]`` scale, ``[T, 1, d/2]`` rotations."""
+
+    scale: torch.Tensor  # log-n x the method's factor, model dtype
+    near: Rotation  # m θ
+    far: Rotation  # (w + (m - w) ρ) θ; grouped: (⌊m/g⌋ + w - ⌊w/g⌋) θ
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """One request with more than one query token this step.
+
+    Near band (``0 <= m - n < w``): "young" queries (``m < w``) see every earlier key; the rest
+    go in ``tiles`` tiles of ``tile`` queries, each against its own tile (causal), the
+    ``w - tile`` keys before it (all visible) and the ``tile - 1`` keys before those (a
+    reversed triangle). Far part (``n <= m - w``): from the query ``first_far`` on.
+    """
+
+    tokens: slice  # its query tokens in the step's flat token order
+    context: int  # tokens already in the cache before this chunk
+    seq_len: int  # context + chunk
+    row: int  # batch row (block table)
+    window: int
+    first_far: int  # the first query with any far key
+    far_keys: Rotation | None  # n ρ θ (grouped: ⌊n/g⌋ θ), [seq_len, 1, d/2]; None when ρ = 0 (read raw)
+    young: int = 0
+    tile: int = 0
+    tiles: int = 0
+    band_start: int = 0  # the first key position any near query sees
+    band_keys: Rotation | None = None  # n θ for n = band_start .. seq_len - 1, [n, 1, d/2]
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens.stop - self.tokens.start
+
+
+@dataclass(frozen=True)
+class DecodeBand:
+    """The near-band keys of every decode row, ``[Rd, W]`` (W the widest window)."""
+
+    block: torch.Tensor  # block index in the row's block table
+    offset: torch.Tensor  # slot in that block
+    target: torch.Tensor  # the key's column among the row's keys; a spare last column when outside the band
+    keys: Rotation  # n θ, [Rd, W, 1, d/2]
+
+
+@dataclass(frozen=True)
+class FarKeys:
+    """Far-key rotations ``n ρ θ`` (grouped: ``⌊n/g⌋ θ``): one table per distinct setting with ``ρ != 0``."""
+
+    tables: tuple[Rotation, ...]  # [nb * bs, d/2] each
+    table_of_row: torch.Tensor  # [Rd] int64; -1 when ρ = 0 (old keys read raw)
+
+    @functools.cached_property
+    def rotation(self) -> Rotation:
+        """All tables stacked, ``[U, nb * bs, d/2]``."""
+        return Rotation(cos=torch.stack([t.cos for t in self.tables]), sin=torch.stack([t.sin for t in self.tables]))
+
+    def every(self, step: int) -> Rotation:
+        """The angles of positions ``0, step, 2 step, ...``: ``[U, ceil(nb * bs / step), d/2]``."""
+        return Rotation(cos=torch.stack([t.cos[::step] for t in self.tables]),
+                        sin=torch.stack([t.sin[::step] for t in self.tables]))
+
+    def first(self, step: int) -> Rotation:
+        """The angles of positions ``0 .. step - 1``: ``[U, step, d/2]``."""
+        return Rotation(cos=torch.stack([t.cos[:step] for t in self.tables]),
+                        sin=torch.stack([t.sin[:step] for t in self.tables]))
+
+
+@dataclass(frozen=True)
+class DecodeQueries:
+    """The decode rows' query terms, gathered once per step for every layer's kernel call."""
+
+    scale: torch.Tensor  # [Rd]
+    rotation: Rotation  # [Rd, 2, d/2]: the near angle, then the far angle
+
+
+@dataclass(frozen=True)
+class DecodeKernelTables:
+    """The C++ decode's rotation tables, made once per step for every layer's call."""
+
+    near: Rotation  # [Rd, W, d/2] the band keys' n θ (empty without a band)
+    far_steps: Rotation  # [U, S / step, d/2] far angles of positions 0, step, 2 step, ... (empty: no far rule)
+    far_offsets: Rotation  # [U, step, d/2] far angles of positions 0 .. step - 1
+    far_table: torch.Tensor  # [Rd] int64: the row's far rule, -1 = old keys read raw
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """All decode rows (one query each), batched over rows and cache blocks."""
+
+    tokens: torch.Tensor | slice  # [Rd] token index of each row's query (a slice when they are consecutive)
+    block_ids: torch.Tensor  # [Rd, nb]
+    keep: torch.Tensor  # [Rd, nb * bs] keys each row attends to
+    seq_lens: torch.Tensor  # [Rd] int64
+    window: torch.Tensor  # [Rd] int64
+    band_start: torch.Tensor  # [Rd] int64: first key position of the band
+    far_keys: FarKeys | None
+    band: DecodeBand | None
+    queries: DecodeQueries
+
+    @functools.cached_property
+    def kernel_tables(self) -> DecodeKernelTables:
+        rows, half = self.queries.scale.shape[0], self.queries.rotation.cos.shape[-1]
+        empty = self.queries.rotation.cos.new_empty(0)
+        none = Rotation(cos=empty, sin=empty)
+        if self.band is not None:
+            near = Rotation(cos=self.band.keys.cos.reshape(rows, -1, half), sin=self.band.keys.sin.reshape(rows, -1, half))
+        else:
+            near = none
+        far = self.far_keys
+        if far is None:
+            return DecodeKernelTables(near=near, far_steps=none, far_offsets=none,
+                                      far_table=torch.full((rows,), -1, dtype=torch.int64))
+        return DecodeKernelTables(near=near, far_steps=far.every(DECODE_FAR_STEP),
+                                  far_offsets=far.first(DECODE_FAR_STEP), far_table=far.table_of_row)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The attention metadata of one step."""
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [T]
+    block_table: torch.Tensor  # [R, max_blocks]
+    query: QueryPlan
+    prefill: list[PrefillRow]
+    decode: DecodePlan | None
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The step's rows as plain tensors, sliced from the batch: what a plan is made from."""
+
+    starts: torch.Tensor  # [R + 1] int64, each row's first token in the flat token order
+    seq_lens: torch.Tensor  # [R] int64
+    theta: torch.Tensor  # [R, d/2] float64
+    window: torch.Tensor  # [R] int64
+    leak: torch.Tensor  # [R] float64
+    group: torch.Tensor  # [R] int64
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.starts[1:] - self.starts[:-1]
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """The Triton prefill's programs: tile ``i`` is queries ``start[i] .. + size`` of the
+    chunk of batch row ``row[i]``."""
+
+    row: torch.Tensor  # [tiles] int32
+    start: torch.Tensor  # [tiles] int32
+    size: int
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The Triton decode's rows (one query each) and its split of their keys."""
+
+    row: torch.Tensor  # [Rd] int32 batch rows
+    split_keys: int  # keys per split
+    splits: int  # splits of the longest row; a shorter row's last ones are empty
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The attention metadata of one step for the Triton kernels: each row's rule as numbers
+    (the kernels form every angle themselves), on the device."""
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [T]
+    block_table: torch.Tensor  # [R, max_blocks]
+    query_start: torch.Tensor  # [R + 1]
+    seq_lens: torch.Tensor  # [R]
+    theta: torch.Tensor  # [R, d/2] float64
+    window: torch.Tensor  # [R] int64
+    leak: torch.Tensor  # [R] float64
+    log_n_length: torch.Tensor  # [R] float64
+    query_factor: torch.Tensor  # [R] float64
+    group: torch.Tensor  # [R] int64
+    prefill_tiles: PrefillTiles | None
+    decode_rows: DecodeRows | None
+
+
+def decode_split(longest: int, *, min_split_keys: int = MIN_SPLIT_KEYS) -> tuple[int, int]:
+    """Keys per split (a multiple of the key tile) and the number of splits, for decode rows of
+    at most ``longest`` keys: enough programs to fill a GPU, none shorter than ``min_split_keys``."""
+    split_keys = max(min_split_keys, -(-longest // DECODE_SPLITS))
+    split_keys = -(-split_keys // KEY_TILE) * KEY_TILE
+    return split_keys, -(-longest // split_keys)
+
+
+def kernel_plan(tables: RowTables, *, query_start_cpu: torch.Tensor, query_start: torch.Tensor,
+                seq_lens: torch.Tensor, max_seq_len: int, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                query_tile: int = QUERY_TILE, min_split_keys: int = MIN_SPLIT_KEYS) -> KernelPlan:
+    """The step's :class:`KernelPlan`. ``tables`` row i is batch row i (CPU); the batch's
+    tensors are on the device already; only the row starts are read on the host."""
+    pieces = dynamic_sub_rows(tables, query_start_cpu[: seq_lens.numel() + 1].to(torch.int64), seq_lens)
+    if pieces is not None:
+        tables, query_start_cpu = pieces.tables, pieces.starts.to(query_start_cpu.dtype)
+        query_start = query_start_cpu.to(query_start.device)
+        seq_lens = pieces.seq_lens.to(seq_lens.device, seq_lens.dtype)
+        block_table = block_table[pieces.batch_row.to(block_table.device)]
+    device, rows = query_start.device, seq_lens.numel()
+    query_lens = (query_start_cpu[1: rows + 1] - query_start_cpu[:rows]).to(torch.int64)
+    prefill = (query_lens > 1).nonzero().flatten()
+    tiles = None
+    if prefill.numel():
+        per_row = -(-query_lens[prefill] // query_tile)
+        row = torch.repeat_interleave(prefill, per_row)
+        first_tile = torch.cumsum(per_row, 0) - per_row
+        start = (torch.arange(row.numel()) - torch.repeat_interleave(first_tile, per_row)) * query_tile
+        tiles = PrefillTiles(row=row.to(device, torch.int32), start=start.to(device, torch.int32), size=query_tile)
+    decode = (query_lens == 1).nonzero().flatten()
+    decode_rows = None
+    if decode.numel():
+        split_keys, splits = decode_split(max_seq_len, min_split_keys=min_split_keys)
+        decode_rows = DecodeRows(row=decode.to(device, torch.int32), split_keys=split_keys, splits=splits)
+    on_device = lambda table: table[:rows].to(device, non_blocking=True)  # noqa: E731
+    return KernelPlan(
+        num_actual_tokens=int(query_start_cpu[rows]), slot_mapping=slot_mapping, block_table=block_table,
+        query_start=query_start[: rows + 1], seq_lens=seq_lens, theta=on_device(tables.theta),
+        window=on_device(tables.window), leak=on_device(tables.leak), log_n_length=on_device(tables.log_n_length),
+        query_factor=on_device(tables.query_factor), group=on_device(tables.group), prefill_tiles=tiles,
+        decode_rows=decode_rows)
+
+
+@dataclass(frozen=True)
+class SubRows:
+    """A step's rows with each ntk_dynamic row cut where its rotation changes: every row here
+    has one θ for all its queries, so every kernel runs it unchanged. Row i reads the cache
+    through batch row ``batch_row[i]``."""
+
+    tables: RowTables  # [R'] with each piece's θ
+    starts: torch.Tensor  # [R' + 1] int64
+    seq_lens: torch.Tensor  # [R'] int64: each piece's last query position + 1
+    batch_row: torch.Tensor  # [R'] int64
+
+
+def dynamic_sub_rows(tables: RowTables, starts: torch.Tensor, seq_lens: torch.Tensor,
+                     step: int = DYNAMIC_STEP) -> SubRows | None:
+    """The step's rows (``starts [R+1]``, ``seq_lens [R]``, ``tables`` row i = batch row i) with
+    each ntk_dynamic row's queries cut at the positions ``L + j step`` where its factor steps
+    (:func:`rotary.dynamic_length`), each piece at its own ``θ k^(-e)``; None without such a row.
+    A piece attends to keys up to its own last query, as any causal row; pieces are consecutive
+    in the token order, so outputs land where the row's would. ``seq_lens`` may be on a device:
+    it is read on the host only when there is such a row."""
+    rows = seq_lens.numel()
+    train_lengths = tables.dynamic_length[:rows]
+    if not bool((train_lengths > 0).any()):
+        return None
+    seq_lens = seq_lens.to("cpu", torch.int64)
+    piece_starts, piece_ends, batch_row = [], [], []
+    for r in range(rows):
+        end, first_token = int(seq_lens[r]), int(starts[r])
+        first = end - (int(starts[r + 1]) - first_token)  # the row's first query position
+        cuts, train = [first], int(train_lengths[r])
+        if train:
+            cut = train + max(0, (first - train) // step + 1) * step  # the first step after `first`
+            cuts += range(cut, end, step)
+        for a, b in zip(cuts, cuts[1:] + [end]):
+            piece_starts.append(first_token + a - first)
+            piece_ends.append(b)
+            batch_row.append(r)
+    batch_row = torch.tensor(batch_row, dtype=torch.int64)
+    seq_lens_out = torch.tensor(piece_ends, dtype=torch.int64)
+    pieces = tables.gather(batch_row)
+    train = pieces.dynamic_length.clamp(min=1).double()  # fixed rows have exponent 0: their factor is moot
+    factor = dynamic_length(seq_lens_out - 1, train, step) / train  # each piece's last query's (its queries share it)
+    pieces.theta = pieces.theta * factor[:, None] ** -pieces.theta_exponent
+    return SubRows(tables=pieces, starts=torch.tensor(piece_starts + [int(starts[rows])], dtype=torch.int64),
+                   seq_lens=seq_lens_out, batch_row=batch_row)
+
+
+def far_query_positions(positions: torch.Tensor, window: torch.Tensor, leak: torch.Tensor,
+                        group: torch.Tensor) -> torch.Tensor:
+    """Where each query (0-based ``positions``, int64) stands for its far keys, float64:
+    ``w + (m - w) ρ``; with positions grouped (``g > 0``, Self-Extend) ``⌊m/g⌋ + w - ⌊w/g⌋``."""
+    groups = group.clamp(min=1)
+    grouped = (positions // groups + window - window // groups).to(torch.float64)
+    return torch.where(group > 0, grouped, window + (positions - window) * leak)
+
+
+def far_key_positions(positions: torch.Tensor, leak: float, group: int) -> torch.Tensor:
+    """Where keys at ``positions`` (int64) stand for far queries, float64: ``n ρ``; grouped ``⌊n/g⌋``."""
+    return (positions // group).to(torch.float64) if group else positions.to(torch.float64) * leak
+
+
+def log_n_factor(positions: torch.Tensor, log_n_length: torch.Tensor) -> torch.Tensor:
+    """Per token log-n factor under its row's training length; 1 where ``log_n_length`` is 0."""
+    factor = log_n_scale(positions, log_n_length.clamp(min=2.0))
+    return torch.where(log_n_length > 0, factor, torch.ones_like(factor))
+
+
+class StepPlanner:
+    """Makes :class:`StepPlan` s; keeps far-key tables between steps (keys keep their angle)."""
+
+    def __init__(self, *, block_size: int, dtype: torch.dtype, prefill_tile: int = PREFILL_TILE) -> None:
+        self.block_size, self.dtype, self.prefill_tile = block_size, dtype, prefill_tile
+        self.far_tables: dict[tuple, Rotation] = {}
+
+    def plan(self, tables: RowTables, starts: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+             slot_mapping: torch.Tensor) -> StepPlan:
+        """The step's plan from row starts ``[R+1]`` in the flat token order, sequence lengths
+        ``[R]``, the block table, the slots, and the rows' settings tables."""
+        pieces = dynamic_sub_rows(tables, starts, seq_lens)
+        if pieces is not None:
+            tables, starts, seq_lens = pieces.tables, pieces.starts, pieces.seq_lens
+            block_table = block_table[pieces.batch_row]
+        count = seq_lens.numel()
+        rows = StepRows(starts=starts, seq_lens=seq_lens, theta=tables.theta[:count], window=tables.window[:count],
+                        leak=tables.leak[:count], group=tables.group[:count])
+        query_lens = rows.query_lens
+        decode = (query_lens == 1).nonzero().flatten()
+        query = self.query_plan(rows, tables.log_n_length[:count], tables.query_factor[:count])
+        return StepPlan(
+            num_actual_tokens=int(starts[-1]), slot_mapping=slot_mapping, block_table=block_table, query=query,
+            prefill=[self.prefill_row(rows, row) for row in (query_lens > 1).nonzero().flatten().tolist()],
+            decode=self.decode_plan(rows, decode, block_table, query) if decode.numel() else None)
+
+    def query_plan(self, rows: StepRows, log_n_length: torch.Tensor, query_factor: torch.Tensor) -> QueryPlan:
+        tokens, query_lens = int(rows.starts[-1]), rows.query_lens
+        token_row = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens, output_size=tokens)
+        # position of each token: the request's context plus its offset in the chunk
+        positions = (rows.seq_lens - query_lens)[token_row] + torch.arange(tokens) - rows.starts[:-1][token_row]
+        theta = rows.theta[token_row]  # [T, d/2]
+        far_position = far_query_positions(positions, rows.window[token_row], rows.leak[token_row],
+                                           rows.group[token_row])
+        scale = log_n_factor(positions, log_n_length[token_row]) * query_factor[token_row]
+        return QueryPlan(scale=scale.to(self.dtype),
+                         near=Rotation.of((positions[:, None].double() * theta)[:, None], self.dtype),
+                         far=Rotation.of((far_position[:, None] * theta)[:, None], self.dtype))
+
+    def far_key_table(self, theta: torch.Tensor, leak: float, group: int, length: int) -> Rotation:
+        """The far angles of key positions ``n < length`` (:func:`far_key_positions` x θ),
+        ``[length, d/2]``; computed once per setting (and per doubling of the length), not every step."""
+        key = (leak, group, theta.numpy().tobytes())
+        table = self.far_tables.pop(key, None)  # re-inserted below: the dict is kept in use order
+        if table is None or table.cos.shape[0] < length:
+            capacity = max(1024, 1 << (length - 1).bit_length())
+            positions = far_key_positions(torch.arange(capacity), leak, group)
+            table = Rotation.of(positions[:, None] * theta, self.dtype)
+        self.far_tables[key] = table
+        while len(self.far_tables) > FAR_TABLES_KEPT:
+            self.far_tables.pop(next(iter(self.far_tables)))
+        return table[:length]
+
+    def decode_plan(self, rows: StepRows, decode: torch.Tensor, block_table: torch.Tensor,
+                    query: QueryPlan) -> DecodePlan:
+        """Blocks to read, keys to keep, far-key tables and the near band of every decode row."""
+        seq_lens, window = rows.seq_lens[decode], rows.window[decode]
+        keys = -(-int(seq_lens.max()) // self.block_size) * self.block_size  # the rows' key columns
+        band_width = min(int(window.max()), int(seq_lens.max()))
+        tokens = rows.starts[:-1][decode]
+        if torch.equal(tokens, torch.arange(int(tokens[0]), int(tokens[0]) + tokens.numel())):
+            tokens = slice(int(tokens[0]), int(tokens[0]) + tokens.numel())  # views instead of gathers
+        near, far = query.near[tokens], query.far[tokens]  # [Rd, 1, d/2]
+        queries = DecodeQueries(scale=query.scale[tokens], rotation=Rotation(
+            cos=torch.cat((near.cos, far.cos), dim=1), sin=torch.cat((near.sin, far.sin), dim=1)))
+        return DecodePlan(
+            tokens=tokens, queries=queries,
+            block_ids=block_table[decode, : keys // self.block_size].to(torch.int64),
+            keep=torch.arange(keys)[None, :] < seq_lens[:, None], seq_lens=seq_lens, window=window,
+            band_start=(seq_lens - band_width).clamp(min=0),
+            far_keys=self.decode_far_keys(rows.theta[decode], rows.leak[decode], rows.group[decode], keys),
+            band=self.decode_band(rows.theta[decode], seq_lens, window, band_width, keys) if band_width > 0 else None)
+
+    def decode_far_keys(self, theta: torch.Tensor, leak: torch.Tensor, group: torch.Tensor,
+                        keys: int) -> FarKeys | None:
+        """One far-key table per distinct (θ, ρ != 0, g) among the decode rows."""
+        table_of_row, table_of_setting, tables = torch.full((leak.numel(),), -1, dtype=torch.int64), {}, []
+        for r in (leak != 0).nonzero().flatten().tolist():
+            setting = (float(leak[r]), int(group[r]), theta[r].numpy().tobytes())
+            if setting not in table_of_setting:
+                table_of_setting[setting] = len(tables)
+                tables.append(self.far_key_table(theta[r], float(leak[r]), int(group[r]), keys))
+            table_of_row[r] = table_of_setting[setting]
+        return FarKeys(tables=tuple(tables), table_of_row=table_of_row) if tables else None
+
+    def decode_band(self, theta: torch.Tensor, seq_lens: torch.Tensor, window: torch.Tensor, band_width: int,
+                    keys: int) -> DecodeBand:
+        """The last ``band_width`` key positions of each row; those within its own window are
+        near keys, the rest of the band goes to a spare column."""
+        position = (seq_lens - band_width).clamp(min=0)[:, None] + torch.arange(band_width)  # [Rd, W]
+        near = (position < seq_lens[:, None]) & (seq_lens[:, None] - 1 - position < window[:, None])
+        position = position.clamp(max=keys - 1)
+        return DecodeBand(block=position // self.block_size, offset=position % self.block_size,
+                          target=torch.where(near, position, keys),
+                          keys=Rotation.of((position.double()[..., None] * theta[:, None, :])[:, :, None], self.dtype))
+
+    def prefill_row(self, rows: StepRows, row: int) -> PrefillRow:
+        chunk, seq_len = int(rows.query_lens[row]), int(rows.seq_lens[row])
+        context, window, leak, theta = seq_len - chunk, int(rows.window[row]), float(rows.leak[row]), rows.theta[row]
+        group = int(rows.group[row])
+        young = min(max(window - context, 0), chunk)  # 0 without a window, as all that follows
+        old = chunk - young if window else 0
+        tile = min(self.prefill_tile, window, old) if old else 0
+        band_start = max(0, context - window + 1)
+        band_keys = None
+        if window:
+            positions = torch.arange(band_start, seq_len, dtype=torch.float64)
+            band_keys = Rotation.of((positions[:, None] * theta)[:, None], self.dtype)
+        return PrefillRow(
+            tokens=slice(int(rows.starts[row]), int(rows.starts[row + 1])), context=context, seq_len=seq_len, row=row,
+            window=window, first_far=max(0, window - context),
+            far_keys=self.far_key_table(theta, leak, group, seq_len)[:, None] if leak != 0 else None,
+            young=young, tile=tile, tiles=-(-old // tile) if old else 0, band_start=band_start if window else 0,
+            band_keys=band_keys)

@@ -1,0 +1,179 @@
+"""The front end: building a vLLM engine that serves with the plugin, and requests for it.
+
+``plugin_engine_config`` is the one place that configures vLLM for the plugin: the
+architecture override, the engine's default settings (in the model config, passed down to every
+worker) and the served maximum length; ``engine_kwargs`` adds the request-settings logits
+processor of the model runner vLLM will run (:mod:`rope_plugins.serve` prints the same as
+``vllm serve`` flags). They are pure; the CPU cores the workers use are vLLM environment
+variables, set by :func:`compute_on_every_core`, which each program calls once at its start
+(the server's ``main``, the benchmarks, the test fixtures).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm import SamplingParams
+
+from rope_plugins.plugin import ATTENTION_OPS, FAMILIES, OPS_KEY, extended_architecture
+from rope_plugins.rules.checkpoint import UnsupportedCheckpoint, checkpoint_rotary
+from rope_plugins.rules.settings import (
+    AUTO,
+    CONFIG_KEY,
+    EXTRA_ARGS_KEY,
+    SALTED_KEY,
+    ExtensionSettings,
+    SettingsError,
+    parse_settings,
+    positions_used,
+    with_factor_resolved,
+)
+from rope_plugins.worker.requests import RequestSettingsAdmission, RequestSettingsTracker
+
+
+def checkpoint_facts(model: str) -> tuple[str, int]:
+    """The checkpoint's architecture and the length it was trained at (see
+    :mod:`rope_plugins.rules.checkpoint`); a family the plugin does not serve is refused, named."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    architecture = (getattr(config, "architectures", None) or ["?"])[0]
+    if architecture not in FAMILIES:
+        raise UnsupportedCheckpoint(f"architecture {architecture} is not served; served: {', '.join(FAMILIES)}")
+    return architecture, checkpoint_rotary(config).train_length
+
+
+# vLLM's CPU workers keep one core per worker free for the scheduler process, which mostly
+# waits for the step to finish. Above this many cores that costs little; at 2 it is half the machine.
+FEW_CORES = 4
+RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+_binding_set_here: str | None = None  # what compute_on_every_core last wrote there
+
+
+def cpu_worker_cores(workers: int, cores: list[int]) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` CPU workers its own share of
+    ``cores`` ("0|1" for two workers on two cores); None when there is nothing to split."""
+    if workers <= 1 or len(cores) < workers:
+        return None
+    share = len(cores) // workers
+    return "|".join(",".join(str(core) for core in cores[rank * share:(rank + 1) * share]) for rank in range(workers))
+
+
+def compute_on_every_core(workers: int = 1) -> None:
+    """Let the CPU workers' threads use every core on a small machine, and give several workers
+    (tensor / pipeline parallelism) a share each: vLLM's automatic binding wants one NUMA node
+    per worker, which one-socket machines lack. vLLM reads both in the engine process, which
+    inherits the environment; values the user set are kept."""
+    global _binding_set_here
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= FEW_CORES:
+        os.environ.setdefault(RESERVED_CORES_ENV, "0")
+    if os.environ.get(THREADS_BIND_ENV, _binding_set_here) != _binding_set_here:
+        return  # the user's own binding
+    binding = cpu_worker_cores(workers, cores)
+    if binding is None:  # an earlier engine's split would not fit this one
+        os.environ.pop(THREADS_BIND_ENV, None)
+    else:
+        os.environ[THREADS_BIND_ENV] = binding
+    _binding_set_here = binding
+
+
+def v2_model_runner() -> bool:
+    """Whether vLLM will run its V2 model runner, decided as ``VllmConfig.use_v2_model_runner``
+    does (``vllm/config/vllm.py``): ``VLLM_USE_V2_MODEL_RUNNER`` when set, else whether Triton
+    is usable. That property also falls back to V1 for features V2 lacks (some speculative
+    decoding methods, micro-batching, pipeline parallelism under an external launcher) and
+    forces V2 for HiSparse and watermarking; the plugin serves none of them. Should the two ever
+    disagree, vLLM refuses the other runner's logits processor at start-up, naming it."""
+    from vllm import envs
+    from vllm.triton_utils import HAS_TRITON
+
+    chosen = envs.VLLM_USE_V2_MODEL_RUNNER
+    return HAS_TRITON if chosen is None else chosen
+
+
+def plugin_engine_config(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
+                         attention_ops: str | None = None, hf_overrides: dict[str, Any] | None = None,
+                         additional_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's own engine arguments that serve ``model`` with the plugin: ``hf_overrides`` (the
+    plugin's architecture, the engine's default settings, ``max_position_embeddings``),
+    ``max_model_len`` and ``additional_config``. What :func:`engine_kwargs` passes in Python and
+    :mod:`rope_plugins.serve` prints as ``vllm serve`` flags; ``hf_overrides`` and
+    ``additional_config`` given are kept under the plugin's keys.
+
+    ``defaults`` are the engine's extension settings (fields of ExtensionSettings), which
+    requests override. Serving past the checkpoint's ``max_position_embeddings`` needs an
+    extension method among the defaults.
+
+    ``attention_ops``: CUDA tensors always take the Triton kernels; ``"triton"`` runs them on
+    CPU tensors too (under ``TRITON_INTERPRET=1``: the tests' way to check the GPU path here).
+    """
+    if attention_ops not in (None, *ATTENTION_OPS):
+        raise ValueError(f"attention_ops must be one of {ATTENTION_OPS}, not {attention_ops!r}")
+    architecture, train_length = checkpoint_facts(model)
+    settings = parse_settings(defaults, ExtensionSettings(train_length=train_length))
+    served = max_model_len or train_length
+    if served > train_length and settings.is_plain_rope:
+        raise ValueError(
+            f"max_model_len {served} is past the checkpoint's training length {train_length}: "
+            "choose a default extension method (defaults={'method': ...})")
+    overrides = {**(hf_overrides or {}),
+                 "architectures": [extended_architecture(architecture)],
+                 CONFIG_KEY: settings.model_dump(),
+                 "max_position_embeddings": max(served, train_length)}
+    additional = dict(additional_config or {})
+    if attention_ops is not None:
+        additional[OPS_KEY] = attention_ops
+    return dict(hf_overrides=overrides, max_model_len=served, additional_config=additional)
+
+
+def settings_processor(v1: type, v2: type) -> type:
+    """The settings processor of the model runner vLLM will run. V1: the tracker keeps the batch
+    rows' settings and refuses bad ones at admission. V2 keeps them in the model's state
+    (rope_plugins.worker.model_state) and would reject a V1 processor: there a V2 one only refuses."""
+    return v2 if v2_model_runner() else v1
+
+
+def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
+                  attention_ops: str | None = None, **engine: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` serving ``model`` with the plugin
+    (:func:`plugin_engine_config`; ``engine`` is passed on), each request taking its own settings.
+
+    The caller salts every request's prefix cache by its settings (:func:`extension_request`
+    does): the engine is marked so (``SALTED_KEY``), and its workers refuse to start with prefix
+    caching on without that mark (:func:`rope_plugins.worker.requests.check_settings_policy`).
+    """
+    config = plugin_engine_config(model, defaults=defaults, max_model_len=max_model_len, attention_ops=attention_ops,
+                                  hf_overrides=engine.pop("hf_overrides", None),
+                                  additional_config=engine.pop("additional_config", None))
+    config["additional_config"][SALTED_KEY] = True
+    processors = [settings_processor(RequestSettingsTracker, RequestSettingsAdmission),
+                  *(engine.pop("logits_processors", None) or [])]
+    return dict(model=model, **config, logits_processors=processors, **engine)
+
+
+def salted_prompt(prompt: dict[str, Any], settings: ExtensionSettings) -> dict[str, Any]:
+    """A prompt dict salted by the settings: no request reuses K/V made under other settings."""
+    user_salt = prompt.get("cache_salt")
+    salt = settings.canonical_hash() if not user_salt else f"{user_salt}:{settings.canonical_hash()}"
+    return {**prompt, "cache_salt": salt}
+
+
+def extension_request(prompt: dict[str, Any], params: SamplingParams, fields: dict[str, Any] | None,
+                      defaults: ExtensionSettings) -> tuple[dict[str, Any], SamplingParams, ExtensionSettings]:
+    """A request under ``defaults`` overridden by ``fields``: validated completely (raises
+    SettingsError), the prompt salted for the prefix cache, the settings in ``extra_args``.
+    ``factor: "auto"`` is sized here to the prompt's token ids and ``max_tokens``."""
+    if isinstance(fields, dict) and fields.get("factor") == AUTO:
+        if "prompt_token_ids" not in prompt:
+            raise SettingsError("factor", f"{AUTO!r} needs the prompt as token ids (prompt_token_ids) to size it")
+        positions = positions_used(len(prompt["prompt_token_ids"]), params.max_tokens or 0)
+        fields = with_factor_resolved(fields, positions, defaults)
+    settings = parse_settings(fields, defaults)
+    params = params.clone()
+    params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: settings.model_dump()}
+    return salted_prompt(prompt, settings), params, settings

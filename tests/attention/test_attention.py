@@ -1,0 +1,142 @@
+"""The attention backend's paths on a hand-made paged cache, against the oracle:
+the C++ decode kernel, the PyTorch decode path, and prefill from a cached context; and the
+log-sum-exp merge (rope_plugins/attention/backend.py, planner.py, ops/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rope_plugins.attention.backend import RopeExtendAttentionImpl
+from rope_plugins.attention.planner import StepPlanner
+from rope_plugins.ops import cpu, native
+from rope_plugins.ops.merge import merge_partials
+from rope_plugins.rules.settings import ExtensionSettings
+from rope_plugins.testing.paged_steps import paged_step
+
+# Where a C++ compiler exists the kernel must build: a failed build fails these tests.
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
+
+TRAIN, D, KV, GROUP, BLOCK = 64, 32, 2, 3, 16
+ROWS = [  # (settings, context length before this step, query tokens this step)
+    (ExtensionSettings(method="rerope", window=37, train_length=TRAIN), 150, 1),
+    (ExtensionSettings(method="leaky_rerope", window=20, leaky_k=4.0, log_n=True, train_length=TRAIN), 90, 1),
+    (ExtensionSettings(method="ntk_mixed", factor=4.0, train_length=TRAIN), 257, 1),
+    (ExtensionSettings(method="rerope", window=50, train_length=TRAIN), 10, 1),
+    (ExtensionSettings(method="ntk_mixed", factor=4.0, log_n=True, train_length=TRAIN), 40, 1),  # shares a far table
+    (ExtensionSettings(method="yarn", factor=2.0, log_n=True, train_length=TRAIN), 70, 45),
+    (ExtensionSettings(method="leaky_rerope", window=33, leaky_k=2.0, train_length=TRAIN), 120, 60),
+    # decode rows longer than the kernel's 512-key chunk: chunks on different threads, merged
+    (ExtensionSettings(method="rerope", window=40, log_n=True, train_length=TRAIN), 1400, 1),
+    (ExtensionSettings(method="leaky_rerope", window=24, leaky_k=8.0, train_length=TRAIN), 1100, 1),
+    # prefill near-band shapes (tiles of PREFILL_TILE below): young queries then several tiles,
+    # all tiles, a window smaller than a tile, a one-token window
+    (ExtensionSettings(method="rerope", window=37, train_length=TRAIN), 0, 150),
+    (ExtensionSettings(method="rerope", window=20, log_n=True, train_length=TRAIN), 30, 50),
+    (ExtensionSettings(method="leaky_rerope", window=5, leaky_k=3.0, train_length=TRAIN), 3, 40),
+    (ExtensionSettings(method="rerope", window=1, train_length=TRAIN), 0, 12),
+    (ExtensionSettings(method="rerope", window=30, train_length=TRAIN), 10, 7),
+    # decode rows of every frequency method (one far table each, the query at its true angle)
+    (ExtensionSettings(method="none", train_length=TRAIN), 200, 1),
+    (ExtensionSettings(method="pi", factor=4.0, train_length=TRAIN), 130, 1),
+    (ExtensionSettings(method="ntk_old", factor=8.0, train_length=TRAIN), 99, 1),
+    (ExtensionSettings(method="ntk_fixed", factor=4.0, log_n=True, train_length=TRAIN), 180, 1),
+    (ExtensionSettings(method="yarn", factor=4.0, train_length=TRAIN), 260, 1),
+    # Self-Extend: grouped far positions in decode (past a 512-key chunk; groups as large as the
+    # decode kernel's 64-key step) and in prefill, from a cached context and from the start
+    (ExtensionSettings(method="self_extend", window=20, group=4, log_n=True, train_length=TRAIN), 300, 1),
+    (ExtensionSettings(method="self_extend", window=16, group=64, train_length=TRAIN), 700, 1),
+    (ExtensionSettings(method="self_extend", window=24, group=8, train_length=TRAIN), 50, 70),
+    (ExtensionSettings(method="self_extend", window=10, group=2, log_n=True, train_length=TRAIN), 0, 90),
+    # ntk_dynamic: θ steps at TRAIN + j DYNAMIC_STEP (64, 192, 320, ...): a prompt across three
+    # steps, a chunk across one, a one-query piece at a step, decode inside training, in a step,
+    # and past a 512-key chunk
+    (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 0, 400),
+    (ExtensionSettings(method="ntk_dynamic", log_n=True, train_length=TRAIN), 150, 60),
+    (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 191, 2),
+    (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 30, 1),
+    (ExtensionSettings(method="ntk_dynamic", log_n=True, train_length=TRAIN), 250, 1),
+    (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 900, 1),
+]
+PREFILL_TILE = 8
+
+
+def rows_step(seed=0):
+    """A step of ``ROWS`` on a paged cache (rope_plugins/testing/paged_steps.py)."""
+    return paged_step(ROWS, seed=seed, head=D, kv=KV, group=GROUP, block=BLOCK)
+
+
+def make_step(seed=0):
+    """The CPU path's plan of :func:`rows_step`, and its inputs."""
+    step = rows_step(seed)
+    planner = StepPlanner(block_size=BLOCK, dtype=torch.float32, prefill_tile=PREFILL_TILE)
+    meta = planner.plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
+    return step.cache, meta, step.sequences, step.query, step.key, step.value, step.starts
+
+
+@pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=needs_compiler), False], ids=["cpp-kernel", "pytorch"])
+def test_step_matches_oracle(use_kernel):
+    cache, meta, sequences, query, key, value, starts = make_step()
+    impl = RopeExtendAttentionImpl(KV * GROUP, D, D**-0.5, KV, None, None, "auto")
+    impl.use_kernel = use_kernel
+    output = torch.empty_like(query)
+    impl.forward(None, query, key, value, cache, meta, output)
+    torch.testing.assert_close(output, rows_step(seed=0).expected().float(), rtol=0, atol=2e-5)
+
+
+@needs_compiler
+def test_the_kernel_is_built_to_run_its_chunks_in_parallel():
+    """Without OpenMP at build time ATen's parallel_for runs every chunk on one core."""
+    assert b"GOMP_parallel" in Path(native.kernels().__file__).read_bytes()
+
+
+@needs_compiler
+def test_kernel_equals_pytorch_decode():
+    cache, meta, _, query, _, _, _ = make_step(seed=3)
+    decode_query = query[meta.decode.tokens]
+    fast = cpu.decode(decode_query, cache, meta.decode, meta.query, scale=D**-0.5)
+    reference = cpu.decode_torch(decode_query, cache, meta.decode, meta.query, scale=D**-0.5)
+    torch.testing.assert_close(fast, reference, rtol=0, atol=1e-5)
+
+
+def test_merge_of_parts_equals_one_softmax_and_survives_a_query_with_no_keys():
+    generator = torch.Generator().manual_seed(5)
+    scores, values = torch.randn(3, 10, generator=generator), torch.randn(10, 4, generator=generator)
+    scores[2] = float("-inf")  # a padded query: no key in any part
+    parts = [(0, 4), (4, 10)]
+    outs = [torch.nan_to_num(scores[:, a:b].softmax(-1)) @ values[a:b] for a, b in parts]
+    lses = [scores[:, a:b].logsumexp(-1) for a, b in parts]
+    merged, lse = merge_partials(outs, lses)
+    torch.testing.assert_close(merged[:2], scores[:2].softmax(-1) @ values)
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
+    assert torch.equal(merged[2], torch.zeros(4)) and lse[2] == float("-inf")
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads_outer", [True, False], ids=["kv-heads-outer", "tokens-outer"])
+def test_kernel_cache_write_equals_pytorch_and_skips_padding(heads_outer):
+    """The C++ write puts each token's key and value where the PyTorch one does, on either
+    cache layout vLLM may hand over, and leaves the slots of padding tokens (-1) alone."""
+    generator = torch.Generator().manual_seed(7)
+    blocks, block_size, tokens = 6, BLOCK, 40
+    key, value = torch.randn(2, tokens, KV, D, generator=generator)
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    shape = (blocks, KV, block_size, 2 * D) if heads_outer else (blocks, block_size, KV, 2 * D)
+    caches = []
+    for use_kernel in (True, False):
+        storage = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        cache = storage if heads_outer else storage.transpose(1, 2)
+        cpu.write_cache(key, value, cache, slots, use_kernel=use_kernel)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+    before = caches[0].clone()
+    padded = slots.clone()
+    padded[::2] = -1
+    cpu.write_cache(key * 2, value * 2, caches[0], padded)
+    written = torch.zeros(blocks * block_size, dtype=torch.bool)
+    written[slots[1::2]] = True
+    written = written.view(blocks, 1, block_size, 1).expand_as(before)
+    assert torch.equal(caches[0][~written], before[~written])
+    assert not torch.equal(caches[0][written], before[written])

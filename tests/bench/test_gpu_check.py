@@ -1,0 +1,209 @@
+"""bench/gpu_check.py on this CPU: its --interpret mode (the Triton kernels at small sizes under
+Triton's interpreter, against the float64 oracle) passes and says so in its report; a tolerance
+below the error, a kernel fed a wrong plan and a cache write that does nothing each show as
+errors and a failed verdict; with no CUDA and no --interpret it refuses, saying why. Its speed
+part needs a GPU: here its interleaving and medians run on a stand-in for the engines, and
+what it reads back from an engine on a real (CPU) one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu_check
+from rope_plugins.attention import planner
+from rope_plugins.ops import gpu
+from rope_plugins.rules.settings import METHOD_NAMES
+
+ROOT = Path(__file__).resolve().parents[2]
+EVERY_METHOD = set(METHOD_NAMES) - {"auto"}
+ONE_SHAPE = dataclasses.replace(gpu_check.SMALL, shapes=gpu_check.SMALL.shapes[:1])
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """The command a GPU owner without a GPU would run, and the report it wrote."""
+    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    result = subprocess.run([sys.executable, "bench/gpu_check.py", "--interpret", "--out", str(out)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_interpret_mode_passes_every_case(interpreted):
+    stdout, report = interpreted
+    cases = report["kernels"]["cases"]
+    assert {(case["shape"], case["dtype"]) for case in cases} == {
+        (shape.label, dtype) for shape in gpu_check.SMALL.shapes for dtype in ("float32", "float16")}
+    for case in cases:
+        assert case["passed"] and case["cache_write_exact"], case
+        assert 0 < case["relative_error"] <= case["tolerance"] == gpu_check.TOLERANCE[case["dtype"]]
+        for key in ("max_error", "relative_error"):
+            assert case[key] == max(row[key] for row in case["rows"])
+        for row in case["rows"]:
+            assert row["relative_error"] == pytest.approx(row["max_error"] / row["scale"])
+        assert {row["settings"]["method"] for row in case["rows"]} == EVERY_METHOD
+    assert report["kernels"]["passed"] and "kernels: every case passed" in stdout
+
+
+def test_the_report_says_what_ran_and_what_did_not(interpreted):
+    _, report = interpreted
+    environment = report["environment"]
+    assert report["mode"] == "interpreter" and environment["triton_interpreter"]
+    assert environment["gpu"] is None and environment["cuda"] is None
+    assert environment["triton"] and environment["torch"] == torch.__version__ and "0.32.0" in environment["vllm"]
+    assert report["speed"] == {"skipped": "needs CUDA (--interpret)"}
+
+
+def test_the_real_sizes_cover_what_the_check_promises():
+    """Without running them (a GPU's work): real head shapes, every method, chunks after a
+    cached context and a first chunk, decode rows at thousands of keys, valid settings."""
+    shapes = {(shape.head, shape.kv * shape.group, shape.kv) for shape in gpu_check.REAL.shapes}
+    assert {(128, 32, 8), (128, 28, 4), (64, 14, 2)} == shapes
+    rows = gpu_check.step_rows(gpu_check.REAL)
+    assert {settings.method for settings, _, _ in rows} == EVERY_METHOD
+    assert any(settings.log_n for settings, _, _ in rows)
+    prefill = [(context, new) for _, context, new in rows if new > 1]
+    assert any(context > 0 for context, _ in prefill) and any(context == 0 for context, _ in prefill)
+    assert {settings.method for settings, context, new in rows if new == 1 and context >= 2000} == EVERY_METHOD
+
+
+def test_a_tolerance_below_the_error_fails_and_keeps_the_errors():
+    kernels = gpu_check.check_kernels(ONE_SHAPE, ["float32"], {"float32": 1e-9}, CPU)
+    case = kernels["cases"][0]
+    assert not kernels["passed"] and not case["passed"] and case["cache_write_exact"]
+    assert case["tolerance"] == 1e-9 and 1e-9 < case["relative_error"] <= gpu_check.TOLERANCE["float32"]
+    summary = gpu_check.summary({"date": "d", "mode": "interpreter", "environment": gpu_check.versions(CPU),
+                                 "kernels": kernels})
+    assert "FAIL" in summary and "SOME CASES FAILED" in summary and "relative" in summary
+
+
+def test_a_failed_case_is_exit_status_1_with_the_report_written(tmp_path, monkeypatch):
+    failed = {"passed": False, "block_size": 16, "cases": []}
+    monkeypatch.setattr(gpu_check, "check_kernels", lambda *args: failed)
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--interpret", "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["kernels"] == failed
+
+
+def rows_wrong_under(monkeypatch, change) -> tuple[bool, set[str]]:
+    """Whether gpu_check passes, and the methods of its rows past tolerance, with every step's
+    kernel plan changed by ``change`` (plan -> plan)."""
+    real_plan = planner.kernel_plan
+    monkeypatch.setattr(planner, "kernel_plan", lambda *args, **kwargs: change(real_plan(*args, **kwargs)))
+    case = gpu_check.check_kernels(ONE_SHAPE, ["float32"], gpu_check.TOLERANCE, CPU)["cases"][0]
+    return case["passed"], {row["settings"]["method"] for row in case["rows"]
+                            if row["relative_error"] > case["tolerance"]}
+
+
+def test_a_kernel_given_a_wrong_leak_fails_the_rows_that_use_it(monkeypatch):
+    """The plan's leak ρ halved: ReRoPE (ρ = 0) is untouched, and so is Self-Extend (its far
+    positions come from its group); every other method is wrong."""
+    passed, wrong = rows_wrong_under(monkeypatch, lambda plan: dataclasses.replace(plan, leak=plan.leak * 0.5))
+    assert not passed and wrong == EVERY_METHOD - {"rerope", "self_extend"}
+
+
+def test_a_kernel_given_a_wrong_group_fails_only_the_grouped_rows(monkeypatch):
+    """The plan's group g doubled: only Self-Extend's rows are wrong (the others have none)."""
+    passed, wrong = rows_wrong_under(monkeypatch, lambda plan: dataclasses.replace(plan, group=plan.group * 2))
+    assert not passed and wrong == {"self_extend"}
+
+
+def test_a_dynamic_factor_that_never_steps_fails_only_its_rows(monkeypatch):
+    """ntk_dynamic sized to the training length at every position (factor 1, plain RoPE's θ):
+    only its rows, which run past training, are wrong."""
+    monkeypatch.setattr(planner, "dynamic_length", lambda positions, train_length, step: train_length + 0 * positions)
+    passed, wrong = rows_wrong_under(monkeypatch, lambda plan: plan)
+    assert not passed and wrong == {"ntk_dynamic"}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN slots read by the interpreter
+def test_a_cache_write_that_writes_nothing_fails(monkeypatch):
+    monkeypatch.setattr(gpu, "write_cache", lambda *args: None)
+    kernels = gpu_check.check_kernels(ONE_SHAPE, ["float32"], gpu_check.TOLERANCE, CPU)
+    case = kernels["cases"][0]
+    assert not kernels["passed"] and not case["cache_write_exact"] and case["max_error"] is None
+    assert case["relative_error"] is None and all(row["max_error"] is None for row in case["rows"])
+    json.dumps(kernels, allow_nan=False)  # the report stays strict JSON
+    summary = gpu_check.summary({"date": "d", "mode": "interpreter", "environment": gpu_check.versions(CPU),
+                                 "kernels": kernels})
+    assert "not finite" in summary and "WRONG" in summary and "SOME CASES FAILED" in summary
+
+
+def test_a_kernel_that_raises_is_a_failed_case_and_the_check_goes_on(monkeypatch):
+    """As a bfloat16 dot would on a GPU without bfloat16: that case fails, saying why; the next runs."""
+    real_prefill = gpu.prefill
+
+    def prefill(query, *args, **kwargs):
+        if query.dtype == torch.float16:
+            raise RuntimeError("no float16 here")
+        return real_prefill(query, *args, **kwargs)
+
+    monkeypatch.setattr(gpu, "prefill", prefill)
+    kernels = gpu_check.check_kernels(ONE_SHAPE, ["float16", "float32"], gpu_check.TOLERANCE, CPU)
+    half, single = kernels["cases"]
+    assert not kernels["passed"] and not half["passed"] and half["error"] == "RuntimeError: no float16 here"
+    assert single["passed"] and "error" not in single
+    json.dumps(kernels, allow_nan=False)
+    summary = gpu_check.summary({"date": "d", "mode": "interpreter", "environment": gpu_check.versions(CPU),
+                                 "kernels": kernels})
+    assert "raised RuntimeError: no float16 here" in summary
+
+
+def test_without_cuda_or_interpret_it_says_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--out", str(out)]) == 2
+    message = capsys.readouterr().err
+    assert "no CUDA device" in message and "--interpret" in message and not out.exists()
+
+
+class StandInEngines:
+    """What the speed part asks of bench/speed.py's SideBySide, with known times: each plugin
+    configuration takes a fixed multiple of stock's."""
+
+    COST = {"stock": 1.0, "rerope": 1.25, "leaky_rerope": 1.5, "ntk_mixed": 1.1}
+
+    def __init__(self):
+        self.calls = []
+
+    def prompt(self, rng, length):
+        return [rng.randrange(100, 200) for _ in range(length)]
+
+    def prefill_and_tpot(self, config, ids, decode_tokens):
+        self.calls.append((config, len(ids)))
+        return len(ids) * 1e-3 * self.COST[config], 0.02 * self.COST[config] * (1 + len(self.calls) % 3)
+
+
+def test_the_speed_runs_interleave_and_their_medians_compare_with_stock():
+    engines, seen = StandInEngines(), []
+    samples = gpu_check.speed_runs(engines, lengths=[16, 32], reps=3, decode_tokens=4,
+                                   on_sample=lambda samples: seen.append(sum(len(s["prefill"]) for c in samples.values()
+                                                                             for s in c.values())))
+    assert seen == list(range(1, 25))  # after every run
+    configs = gpu_check.SPEED_CONFIGS
+    assert [config for config, _ in engines.calls[:8]] == configs + configs  # repetition 1, both lengths
+    assert [config for config, _ in engines.calls[8:12]] == configs[1:] + configs[:1]  # repetition 2 rotates
+    medians = gpu_check.speed_medians(samples)
+    for config, cost in StandInEngines.COST.items():
+        assert medians["median"][config]["32"]["prefill"] == pytest.approx(0.032 * cost)
+        if config != "stock":
+            assert medians["ratio_to_stock"][config]["16"]["prefill"] == pytest.approx(cost)
+    report = {"date": "d", "mode": "cuda", "environment": gpu_check.versions(CPU),
+              "speed": {"model": "m", "dtype": "bfloat16", "reps": 3, "lengths": [16, 32], **medians}}
+    table = [line.split() for line in gpu_check.summary(report).splitlines()]
+    assert ["32", "leaky_rerope", "0.048", "1.50"] == table[-2][:4]
+
+
+def test_engine_facts_read_back_a_real_engine(full_engine):
+    facts = gpu_check.engine_facts(full_engine)
+    assert facts["block_size"] == 32 and facts["max_model_len"] == 1024 and facts["dtype"] == "torch.float32"
+    assert facts["kv_cache_tokens"] > 1024 and facts["max_num_batched_tokens"] == 4096
+    assert facts["v2_model_runner"] is False and facts["cudagraph_mode"]

@@ -1,0 +1,69 @@
+"""The plugin on vLLM's V2 model runner (the default on GPUs), forced on this CPU by
+``tests/support/v2_harness.py``: each request's settings reach attention through its request slot
+(``rope_plugins/worker/model_state.py``). A batch of mixed methods prefilled in chunks answers as
+the oracle does and as the V1 runner's one-step prefill does; slots freed by one batch take
+the next batch's settings; the prefix cache never crosses settings; bad settings are refused
+at admission, naming the field. Every test runs once per entry of ``ATTENTION_OPS``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.frontend.test_engine_args import (
+    BAD_SETTINGS,
+    assert_bad_settings_refused,
+    assert_close_logprobs,
+    assert_matches_oracle,
+    assert_prefix_cache_never_crosses_settings,
+    prompt,
+    run,
+)
+from tests.support.v2_harness import v2_engine as start_v2_engine
+
+# the attention ops the V2 engine runs (engine_kwargs(attention_ops=...)): the CPU ops, and the
+# Triton kernels under the interpreter (V2 with them is the GPU configuration)
+ATTENTION_OPS = ["cpu", "triton"]
+MIXED = [{"method": "rerope", "window": 37}, {"method": "leaky_rerope", "window": 50, "leaky_k": 3.0, "log_n": True},
+         {"method": "yarn", "factor": 4.0}, {"method": "ntk_mixed", "factor": 4.0}, {"method": "none"},
+         {"method": "self_extend", "window": 40, "group": 4}, {"method": "ntk_dynamic", "log_n": True}]
+
+
+@pytest.fixture(scope="module", params=ATTENTION_OPS)
+def v2_engine(request, tiny_llama_dir):
+    """The plugin's engine on the V2 runner, in a process of its own; prompts prefilled in
+    chunks of 64 tokens, so chunks start inside and past the window."""
+    with start_v2_engine(tiny_llama_dir, attention_ops=request.param, max_num_batched_tokens=64, max_num_seqs=8,
+                         enable_chunked_prefill=True) as llm:
+        yield llm
+
+
+def test_the_engine_runs_the_v2_runner_with_the_plugins_model_state(v2_engine):
+    facts = v2_engine.facts
+    assert facts["use_v2_model_runner"]
+    assert facts["runner"] == "vllm.v1.worker.cpu.model_runner.CPUModelRunner"  # V2's runner on CPU
+    assert facts["model_state"] == "RopeExtendModelState"
+    assert facts["dummy_run_error"] is None
+
+
+def test_mixed_methods_in_chunks_match_the_oracle_and_the_v1_runner(v2_engine, full_engine, reference_model,
+                                                                    engine_defaults):
+    """Five methods in one batch, prefilled in chunks, against the oracle and against the V1
+    runner prefilling each prompt at once; then the same prompts with the methods shifted by
+    one, in the slots the first batch freed."""
+    first = [(prompt(700 + i, 300 - 13 * i), fields) for i, fields in enumerate(MIXED)]
+    second = [(ids, MIXED[(i + 1) % len(MIXED)]) for i, (ids, _) in enumerate(first)]
+    for requests in (first, second):
+        on_v2, on_v1 = run(v2_engine, requests, engine_defaults), run(full_engine, requests, engine_defaults)
+        for result, v1_result, (ids, fields) in zip(on_v2, on_v1, requests):
+            assert_matches_oracle(result, ids, fields, reference_model, engine_defaults)
+            assert_close_logprobs(result.prompt_logprobs, v1_result.prompt_logprobs, f"{fields} V2 vs V1")
+            assert result.tokens == v1_result.tokens, fields
+
+
+def test_prefix_cache_never_crosses_settings_on_v2(v2_engine, reference_model, engine_defaults):
+    assert_prefix_cache_never_crosses_settings(v2_engine, 800, reference_model, engine_defaults)
+
+
+@pytest.mark.parametrize("fields,field", BAD_SETTINGS)
+def test_bad_settings_are_refused_naming_the_field_on_v2(v2_engine, engine_defaults, fields, field):
+    assert_bad_settings_refused(v2_engine, engine_defaults, fields, field)

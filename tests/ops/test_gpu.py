@@ -1,0 +1,105 @@
+"""The Triton kernels (rope_plugins/ops/gpu.py) against the float64 oracle, on this CPU under
+Triton's interpreter: every method with and without log-n, decode and prefill rows mixed in one
+launch, GQA 3:1 and 7:1, head sizes 64, 128, 256 and 96 (pairs padded to a power of two),
+float32 (IEEE dots) and float16 (the interpreter's bfloat16 dots are not trustworthy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rope_plugins.attention.planner import KEY_TILE, kernel_plan
+from rope_plugins.ops import gpu
+from rope_plugins.rules.settings import METHOD_NAMES, ExtensionSettings
+from tests.attention.test_attention import TRAIN, paged_step
+
+WINDOWED = {"rerope": dict(window=37), "leaky_rerope": dict(window=20, leaky_k=4.0),
+            "self_extend": dict(window=20, group=4)}
+FACTORS = {"pi": 4.0, "ntk_old": 8.0, "ntk_fixed": 4.0, "ntk_mixed": 4.0, "yarn": 4.0}
+
+
+def settings(method: str, log_n: bool, **fields) -> ExtensionSettings:
+    chosen = {**WINDOWED.get(method, {}), **fields}
+    if method in FACTORS:
+        chosen.setdefault("factor", FACTORS[method])
+    return ExtensionSettings(method=method, log_n=log_n, train_length=TRAIN, **chosen)
+
+
+def every_method_rows(context: int, new: int) -> list:
+    """Each method with and without log-n, ``context`` cached tokens and ``new`` this step."""
+    return [(settings(method, log_n), context + 7 * i, new)
+            for i, (method, log_n) in enumerate((m, l) for m in METHOD_NAMES if m != "auto" for l in (False, True))]
+
+
+# Prefill rows: a window (37) no multiple of the tiles (16 queries, 32 keys); a chunk starting
+# inside the window with the window's edge inside a tile (straddling tiles at the chunk's
+# start); a one-token window; a first chunk; decode rows between them in the same launch.
+MIXED_ROWS = [
+    (settings("rerope", False), 0, 50),
+    (settings("leaky_rerope", True, window=20, leaky_k=3.0), 30, 40),
+    (settings("rerope", True, window=1), 5, 20),
+    (settings("ntk_mixed", False), 130, 1),
+    (settings("yarn", True, factor=2.0), 20, 35),
+    (settings("leaky_rerope", False, window=24, leaky_k=8.0), 100, 1),
+    (settings("none", False), 0, 18),
+    (settings("self_extend", True, window=12, group=8), 40, 30),
+    # ntk_dynamic's θ steps at 64 and 192 inside these chunks: cut into rows of one θ each
+    (settings("ntk_dynamic", True), 0, 70),
+    (settings("ntk_dynamic", False), 170, 40),
+]
+
+
+def run_kernels(step, *, query_tile=16, min_split_keys=KEY_TILE) -> torch.Tensor:
+    plan = kernel_plan(step.tables, query_start_cpu=step.starts, query_start=step.starts.to(torch.int32),
+                       seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
+                       block_table=step.block_table.to(torch.int32), slot_mapping=step.slots, query_tile=query_tile,
+                       min_split_keys=min_split_keys)
+    output = torch.full_like(step.query, float("nan"))
+    head = step.query.shape[-1]
+    scale = head**-0.5
+    gpu.prefill(step.query, step.cache, plan, output, scale=scale)
+    gpu.decode(step.query, step.cache, plan, output, scale=scale)
+    return output
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-2}
+
+
+def assert_matches_oracle(step, dtype, **launch):
+    output = run_kernels(step, **launch)
+    torch.testing.assert_close(output.double(), step.expected().double(), rtol=0, atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_decode_every_method_with_and_without_log_n(dtype):
+    """Rows of 40-145 keys in splits of 32: each spans several splits; rows end mid-split."""
+    step = paged_step(every_method_rows(40, 1), seed=1, head=64, kv=2, group=3, dtype=dtype)
+    assert_matches_oracle(step, dtype)
+
+
+@pytest.mark.slow  # 6-8 s each in the interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_prefill_every_method_with_and_without_log_n(dtype):
+    step = paged_step(every_method_rows(20, 24), seed=2, head=64, kv=2, group=3, dtype=dtype)
+    assert_matches_oracle(step, dtype)
+
+
+@pytest.mark.parametrize(("head", "kv", "group"), [(64, 2, 3), (128, 1, 7), (256, 1, 2), (96, 2, 1)],
+                         ids=["d64-gqa3", "d128-gqa7", "d256", "d96-pairs-padded"])
+def test_mixed_prefill_and_decode_rows_in_one_step(head, kv, group):
+    step = paged_step(MIXED_ROWS, seed=3, head=head, kv=kv, group=group, block=16)
+    assert_matches_oracle(step, torch.float32)
+
+
+def test_cache_write_skips_padded_slots():
+    step = paged_step(MIXED_ROWS[:3], seed=4, head=64, kv=2, group=3)
+    slots = step.slots.clone()
+    slots[::5] = -1  # padded tokens: nothing written for them
+    cache = torch.zeros_like(step.cache)
+    gpu.write_cache(step.key, step.value, cache, slots)
+    expected = torch.zeros_like(step.cache)
+    written = slots >= 0
+    block_size = cache.shape[2]
+    kept = slots[written]
+    expected[kept // block_size, :, kept % block_size] = torch.cat((step.key, step.value), -1)[written]
+    assert torch.equal(cache, expected)

@@ -1,0 +1,127 @@
+"""The settings object: defaults, merging, validation that names the field, canonical hash."""
+
+import pytest
+
+from rope_plugins.rules.settings import ExtensionSettings, SettingsError, parse_settings
+
+DEFAULTS = ExtensionSettings(method="rerope", train_length=8192)
+
+
+def test_defaults_and_derived_window():
+    assert DEFAULTS.window == 2048
+    assert parse_settings({"train_length": 4096}, DEFAULTS).window == 1024
+    assert parse_settings(None, DEFAULTS) is DEFAULTS
+    merged = parse_settings({"method": "leaky_rerope", "leaky_k": 32, "log_n": True}, DEFAULTS)
+    assert (merged.method, merged.window, merged.leaky_k, merged.log_n) == ("leaky_rerope", 2048, 32.0, True)
+
+
+@pytest.mark.parametrize(
+    "fields,field,words",
+    [
+        ({"method": "rerope2"}, "method", "unknown method 'rerope2'"),
+        ({"factor": 0.5}, "factor", "greater than or equal to 1"),
+        ({"window": 0}, "window", "greater than 0"),
+        ({"window": 8192}, "window", "smaller than train_length (8192)"),
+        ({"window": 5000, "train_length": 4096}, "window", "smaller than train_length (4096)"),
+        ({"leaky_k": 0.5}, "leaky_k", "greater than or equal to 1"),
+        ({"beta": 1.5}, "beta", "less than or equal to 1"),
+        ({"beta": "high"}, "beta", "valid number"),
+        ({"log_n": "yes"}, "log_n", "valid boolean"),
+        ({"train_length": 1}, "train_length", "greater than 1"),
+        ({"window": 2.5}, "window", "valid integer"),
+        ({"temperature": 2}, "temperature", "unknown field"),
+    ],
+)
+def test_bad_field_is_named_with_reason(fields, field, words):
+    with pytest.raises(SettingsError) as caught:
+        parse_settings(fields, DEFAULTS)
+    assert caught.value.field == field
+    assert words in caught.value.reason
+    assert str(caught.value).startswith(f"context_extension.{field}: ")
+
+
+def test_not_an_object():
+    with pytest.raises(SettingsError, match="must be an object"):
+        parse_settings(["rerope"], DEFAULTS)
+
+
+def test_canonical_hash_ignores_fields_the_method_does_not_use():
+    plain = ExtensionSettings(method="none", train_length=8192)
+    assert plain.canonical() == {"method": "none"}
+    assert plain.canonical_hash() == ExtensionSettings(method="none", factor=8, window=100, train_length=4096).canonical_hash()
+    rerope = parse_settings({"window": 1024, "factor": 2}, DEFAULTS)
+    assert rerope.canonical_hash() == parse_settings({"window": 1024, "factor": 32}, DEFAULTS).canonical_hash()
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ({"method": "rerope", "window": 1024}, {"method": "rerope", "window": 1025}),
+        ({"method": "rerope"}, {"method": "leaky_rerope"}),
+        ({"method": "leaky_rerope", "leaky_k": 8}, {"method": "leaky_rerope", "leaky_k": 16}),
+        ({"method": "ntk_mixed", "beta": 0.5}, {"method": "ntk_mixed", "beta": 0.625}),
+        ({"method": "pi", "factor": 2}, {"method": "pi", "factor": 4}),
+        ({"method": "none"}, {"method": "none", "log_n": True}),
+        ({"method": "none", "log_n": True}, {"method": "none", "log_n": True, "train_length": 4096}),
+        ({"method": "yarn"}, {"method": "yarn", "train_length": 4096}),
+    ],
+)
+def test_canonical_hash_separates_different_computations(a, b):
+    assert parse_settings(a, DEFAULTS).canonical_hash() != parse_settings(b, DEFAULTS).canonical_hash()
+
+
+def test_settings_are_immutable():
+    with pytest.raises(Exception):
+        DEFAULTS.window = 5
+
+
+def test_length_factor_is_one_inside_training_and_the_ratio_past_it():
+    from rope_plugins.rules.settings import length_factor
+
+    assert length_factor(100, 8192) == 1.0 and length_factor(8192, 8192) == 1.0
+    assert length_factor(20000, 8192) == 20000 / 8192
+
+
+def test_a_request_occupies_its_prompt_and_all_but_its_last_generated_token():
+    from rope_plugins.rules.settings import length_factor, positions_used
+
+    assert positions_used(8191, 1) == 8191 and positions_used(8191, 2) == 8192 and positions_used(10, 0) == 10
+    # a whole-training-length prompt scored with one sampled token (echo) stays plain RoPE
+    assert length_factor(positions_used(8192, 1), 8192) == 1.0
+    assert length_factor(positions_used(8192, 2), 8192) == 8193 / 8192
+
+
+def test_auto_factor_resolves_at_the_requests_training_length():
+    from rope_plugins.rules.settings import with_factor_resolved
+
+    fields = {"method": "yarn", "factor": "auto"}
+    assert with_factor_resolved(fields, 4000, DEFAULTS)["factor"] == 1.0
+    assert with_factor_resolved(fields, 16384, DEFAULTS)["factor"] == 2.0
+    assert with_factor_resolved({**fields, "train_length": 4096}, 16384, DEFAULTS)["factor"] == 4.0
+    assert with_factor_resolved({"method": "pi", "factor": 3.0}, 16384, DEFAULTS)["factor"] == 3.0  # a number stays
+    # a bad train_length is that field's error, not a division
+    bad = with_factor_resolved({**fields, "train_length": 0}, 16384, DEFAULTS)
+    with pytest.raises(SettingsError) as error:
+        parse_settings(bad, DEFAULTS)
+    assert error.value.field == "train_length"
+
+
+def test_a_factor_that_is_neither_a_number_nor_auto_names_both():
+    with pytest.raises(SettingsError) as error:
+        parse_settings({"method": "pi", "factor": "AUTO"}, DEFAULTS)
+    assert error.value.field == "factor" and "'auto'" in error.value.reason
+
+
+@pytest.mark.parametrize("group", [0, 3, 12, 128, 2.0, True, "8"])
+def test_self_extend_group_is_a_power_of_two_up_to_64(group):
+    with pytest.raises(SettingsError) as error:
+        parse_settings({"method": "self_extend", "group": group}, DEFAULTS)
+    assert error.value.field == "group"
+
+
+def test_self_extend_hash_covers_window_and_group_only():
+    base = parse_settings({"method": "self_extend", "group": 4}, DEFAULTS)
+    assert base.canonical() == {"method": "self_extend", "window": 2048, "group": 4}
+    assert base.canonical_hash() != parse_settings({"method": "self_extend", "group": 8}, DEFAULTS).canonical_hash()
+    assert base.canonical_hash() == parse_settings({"method": "self_extend", "group": 4, "leaky_k": 3.0},
+                                                   DEFAULTS).canonical_hash()

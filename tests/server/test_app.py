@@ -1,0 +1,50 @@
+"""The app as built from its flags, without an engine: CORS (``--allowed-origins``, off by
+default) and the routes it mounts. Everything that needs the engine: tests/server/test_server.py."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from rope_plugins.server.app import create_app
+from rope_plugins.server.config import parse_config
+
+PAGE = "https://notebook.example"
+
+
+def client(*flags: str) -> TestClient:
+    """The app without its lifespan (no engine)."""
+    return TestClient(create_app(parse_config(list(flags), environ={}), "unused-model-path"))
+
+
+def preflight(app: TestClient, origin: str):
+    return app.options("/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_no_other_origin_may_call_the_api_by_default():
+    app = client()
+    assert "access-control-allow-origin" not in preflight(app, PAGE).headers
+    assert "access-control-allow-origin" not in app.get("/health", headers={"Origin": PAGE}).headers
+
+
+def test_allowed_origins_may_call_the_api_and_read_the_settings_header():
+    app = client("--allowed-origins", f"{PAGE}, https://other.example")
+    answer = preflight(app, PAGE)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == PAGE
+    assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+    # a simple request (the engine is not started: 503, still with the CORS headers a page needs)
+    unavailable = app.post("/v1/chat/completions", headers={"Origin": PAGE}, json={})
+    assert unavailable.headers["access-control-allow-origin"] == PAGE
+    assert "x-context-extension" in unavailable.headers["access-control-expose-headers"]
+    assert "access-control-allow-origin" not in preflight(app, "https://evil.example").headers
+
+
+def test_any_origin_with_a_star():
+    assert preflight(client("--allowed-origins", "*"), PAGE).headers["access-control-allow-origin"] == "*"
+
+
+def test_the_openai_routes_are_mounted():
+    paths = {route.path for route in client().app.routes}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+            "/metrics", "/health"} <= paths
