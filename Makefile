@@ -1,8 +1,9 @@
-# The two commands of the README: `make run` (the main job) and `make test` (the whole suite).
+# The two commands of the README: `make run` (the main job) and `make test` (the whole suite,
+# after `make lint`).
 # Both install what they need first (scripts/install.sh is idempotent: a stamp skips it).
 PY := .venv/bin/python
 
-.PHONY: install run test base-bound bench-base-bound bench-speed
+.PHONY: install run lint test base-bound bench-base-bound bench-speed
 
 install:
 	@./scripts/install.sh
@@ -14,7 +15,11 @@ run: install
 base-bound: install
 	$(PY) bench/base_bound.py
 
-test: install
+# ruff ([tool.ruff] in pyproject.toml); .pre-commit-config.yaml runs it before a commit too
+lint: install
+	$(PY) -m ruff check .
+
+test: install lint
 	@./scripts/install_browser.sh
 	$(PY) -m pytest
 

@@ -55,7 +55,8 @@ def test_image_installs_with_the_script_ci_runs():
     assert "RUN ./scripts/install.sh" in DOCKERFILE
     ci = (ROOT / ".ci" / "run").read_text()
     makefile = (ROOT / "Makefile").read_text()
-    assert "make test" in ci and re.search(r"^test: install$", makefile, re.M)
+    assert "make test" in ci and re.search(r"^test: install lint$", makefile, re.M)
+    assert re.search(r"^lint: install\n\t.* -m ruff check \.$", makefile, re.M)  # ruff before the suite
     assert re.search(r"^install:\n\t@?\./scripts/install\.sh$", makefile, re.M)
 
 
