@@ -1,6 +1,5 @@
-"""The documents against the tree and the results: the README's layout names every module
-and nothing that is not there, the README stays short, its flags table is the server's, and
-bench/README.md's generated blocks are their results files'."""
+"""The documents against the results: the README's sections in order, its flags table the
+server's, and bench/README.md's generated blocks their results files' (the layout: test_layout.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from rope_plugins.server.config import ServerConfig, flag
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-MODULE_DIRS = ("rope_plugins", "server", "bench", "deploy", "scripts", "tests")
 # blocks whose benchmark has its own test module (test_speed, test_evaluate, ...) are checked there
 CHECKED_ELSEWHERE = {"speed", "eval", "eval_quick", "step_budget", "reserved_cores", "base_bound_row"}
 
@@ -26,35 +24,6 @@ def tracked() -> list[str]:
 
 def section(text: str, title: str) -> str:
     return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
-
-
-def layout_names(text: str) -> set[str]:
-    """The paths the layout names: an indented tree, each line's names (comma-separated, a
-    directory ending in /) before two or more spaces and their description."""
-    names, parents = set(), []
-    for line in section(text, "Layout").splitlines():
-        if not line.startswith("    ") or not line.strip():
-            continue
-        depth = (len(line) - len(line.lstrip()) - 4) // 2
-        parents = parents[:depth]
-        entries = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0].split(", ")
-        names |= {"".join(parents) + entry for entry in entries}
-        parents += [entries[-1]] if entries[-1].endswith("/") else []
-    return names
-
-
-def test_the_layout_names_every_module_and_top_level_entry():
-    named = layout_names(README.read_text())
-    files = tracked()
-    top = {path.split("/")[0] + ("/" if "/" in path else "") for path in files if not path.startswith(".")}
-    modules = {path for path in files if path.split("/")[0] in MODULE_DIRS and path.endswith((".py", ".sh"))}
-    assert sorted((top | modules) - named) == []
-
-
-def test_the_layout_names_nothing_missing_from_the_tree():
-    files = tracked()
-    present = set(files) | {path[: i + 1] for path in files for i, c in enumerate(path) if c == "/"}
-    assert sorted(layout_names(README.read_text()) - present) == []
 
 
 README_SECTIONS = ("The two commands", "The playground", "On GPUs", "Models", "A request",
