@@ -187,3 +187,25 @@ def test_nothing_imports_the_server_or_deploy_by_their_folder_names():
     bare = re.compile(r"^\s*(from|import) (server|deploy)\b", re.M)
     offenders = [path for path in tracked() if path.endswith(".py") and bare.search((ROOT / path).read_text())]
     assert offenders == []
+
+
+def seams_table() -> set[str]:
+    """The modules the design page's "vLLM seams" table names (``a/b.py``, ``c.py``: c in a's folder)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text.split("\n### The vLLM seams\n", 1)[1].split("\n#", 1)[0]
+    named = set()
+    for row in table.splitlines():
+        if not row.startswith("| `"):
+            continue
+        paths = re.findall(r"`([\w/]+\.py)`", row.split(" | ")[0])
+        folder = paths[0].rsplit("/", 1)[0]
+        named |= {path if "/" in path else f"{folder}/{path}" for path in paths}
+    return named
+
+
+def test_the_design_page_names_every_module_that_imports_vllm():
+    uses_vllm = re.compile(r"^\s*(from|import) vllm\b", re.M)
+    serving = {str(path.relative_to(ROOT)) for path in package_files()
+               if not str(path.relative_to(ROOT)).startswith(f"{PACKAGE}/testing/")}
+    importing = {path for path in serving if uses_vllm.search((ROOT / path).read_text())}
+    assert sorted(importing ^ seams_table()) == []
