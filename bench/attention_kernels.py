@@ -268,8 +268,8 @@ def main() -> int:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isa = "avx512f" if " avx512f" in flags else "avx2" if " avx2" in flags else "other"
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {isa}", "torch_threads": torch.get_num_threads(),
-              "reps": args.reps, "rows": rows, "decode": decode_rows}
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {isa}",
+              "torch_threads": torch.get_num_threads(), "reps": args.reps, "rows": rows, "decode": decode_rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

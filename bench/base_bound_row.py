@@ -50,10 +50,10 @@ def markdown(report: dict) -> str:
     worst = max(rows, key=lambda r: abs(r["relative_to_seed"]))
     below = "below every" if all(r["asymptotic"] < r["base"] for r in rows) else "not below every"
     met = "met" if report["total_seconds"] < TARGET_SECONDS else "not met"
-    lines += ["", f"The largest difference from the seed is {abs(worst['relative_to_seed']):.2%} (L = {worst['length']:,}: "
-                  f"{short(worst['base'], 3)} against the seed's {short(worst['seed'], 1)}). The asymptotic estimate is "
-                  f"{below} exact value. The whole row took {report['total_seconds']:.1f} s (target: under "
-                  f"{TARGET_SECONDS} s, {met})."]
+    lines += ["", f"The largest difference from the seed is {abs(worst['relative_to_seed']):.2%} "
+                  f"(L = {worst['length']:,}: {short(worst['base'], 3)} against the seed's {short(worst['seed'], 1)}). "
+                  f"The asymptotic estimate is {below} exact value. The whole row took {report['total_seconds']:.1f} s "
+                  f"(target: under {TARGET_SECONDS} s, {met})."]
     return "\n".join(lines)
 
 
@@ -86,8 +86,12 @@ def main() -> None:
     plt.loglog(lengths, [row["base"] for row in rows], "o-", label="exact search (this project)")
     plt.loglog(lengths, [row["seed"] for row in rows], "x", markersize=9, label="seed 002, This Article")
     plt.loglog(lengths, [row["asymptotic"] for row in rows], "--", label="asymptotic L / 0.6165")
-    plt.xlabel("training length L"); plt.ylabel("smallest base b*"); plt.title("RoPE base lower bound, d = 128")
-    plt.legend(); plt.grid(True, which="both", alpha=0.3); plt.tight_layout()
+    plt.xlabel("training length L")
+    plt.ylabel("smallest base b*")
+    plt.title("RoPE base lower bound, d = 128")
+    plt.legend()
+    plt.grid(True, which="both", alpha=0.3)
+    plt.tight_layout()
     plt.savefig(RESULTS / "base_bound_row.png", dpi=120)
 
     print(f"{'L':>8} {'b* (ours)':>11} {'seed':>9} {'diff':>7} {'bases':>7} {'s':>6}")

@@ -29,7 +29,8 @@ LOSS_TOLERANCE = 0.05  # nats: more than this above float32's loss is a wrong mo
 TEXT_TOKENS = 2048
 QUESTIONS = {  # how each model is asked (a chat, or a text to complete), what, and what a correct answer contains
     "smollm2-135m": ("chat", "What is the capital of France?", ("Paris",)),
-    "qwen2.5-coder-0.5b": ("chat", "Write a Python function that returns the sum of a list of numbers.", ("def", "sum")),
+    "qwen2.5-coder-0.5b": ("chat", "Write a Python function that returns the sum of a list of numbers.",
+                           ("def", "sum")),
     "gemma-3-270m": ("completion", "Question: What is the capital of France?\nAnswer:", ("Paris",)),
 }
 

@@ -66,7 +66,8 @@ LOSS_TEXT_END = 32768
 TESTS = ["loss", "repeat", "passkey"]
 PASSKEY_ANSWER_TOKENS = 8
 SCORING_ANSWER_TOKENS = 1  # loss and repeat score the prompt (echo) and generate one token
-FIXED_FACTOR = ExtensionSettings.model_fields["factor"].default  # the frequency methods' factor when a request names none
+# the frequency methods' factor when a request names none
+FIXED_FACTOR = ExtensionSettings.model_fields["factor"].default
 # the classic passkey haystack: the 135M model does not find a needle in real documentation
 # text even within its training length
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -139,7 +140,8 @@ def is_the_fixed_factor(job: tuple) -> bool:
     return abs(resolved / FIXED_FACTOR - 1) <= 0.01
 
 
-def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int, with_ablations: bool = True) -> list[tuple]:
+def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int,
+         with_ablations: bool = True) -> list[tuple]:
     """The measurements in the order they run: the most informative per CPU-hour first, so a
     run stopped early (the full grid takes long) has whole curves rather than
     every test of a few lengths.
@@ -516,7 +518,8 @@ def markdown_table(summary: dict) -> str:
             for n in lengths:
                 row = by.get((name, n), {})
                 if key == "passkey":
-                    cells.append(f"{row['passkey_found']}/{row['passkey_trials']}" if row.get("passkey_trials") else "-")
+                    found = f"{row['passkey_found']}/{row['passkey_trials']}" if row.get("passkey_trials") else "-"
+                    cells.append(found)
                 else:
                     cells.append(cell(row.get(key), fmt))
             if any(c != "-" for c in cells):

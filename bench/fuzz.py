@@ -68,8 +68,8 @@ def markdown(report: dict) -> str:
     healthy = "was healthy" if report["healthy_at_end"] else "was not healthy"
     lines = [f"Measured {report['date'][:10]} ({report['examples_per_operation']} examples per operation, seed "
              f"{report['seed']}): {report['requests_generated']:,} requests; every check {passed}; "
-             f"{report['server_errors_5xx']} answered 5xx; {report['tracebacks_in_log']} tracebacks in the server's log; "
-             f"the server {healthy} at the end. The server's answers, from its log:", "",
+             f"{report['server_errors_5xx']} answered 5xx; {report['tracebacks_in_log']} tracebacks in the server's "
+             f"log; the server {healthy} at the end. The server's answers, from its log:", "",
              "| answer | requests |", "| --- | --- |"]
     lines += [f"| {answer} | {count:,} |" for answer, count in report["answers_by_status"].items()]
     return "\n".join(lines)

@@ -54,6 +54,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -95,7 +96,8 @@ def decoding_every_method(train_length: int, contexts: tuple[int, ...]) -> tuple
     """One decode row per method (three with log-n) after ``contexts`` cached tokens; windows
     a quarter of the training length (the default)."""
     window = train_length // 4
-    fields = (dict(method="rerope", window=window), dict(method="leaky_rerope", window=window, leaky_k=16.0, log_n=True),
+    fields = (dict(method="rerope", window=window),
+              dict(method="leaky_rerope", window=window, leaky_k=16.0, log_n=True),
               dict(method="ntk_mixed", factor=4.0, log_n=True), dict(method="yarn", factor=4.0),
               dict(method="pi", factor=4.0), dict(method="ntk_old", factor=8.0),
               dict(method="ntk_fixed", factor=4.0, log_n=True), dict(method="none"),
@@ -171,8 +173,8 @@ def run_kernels(step, device: torch.device, sizes: Sizes) -> tuple[torch.Tensor,
     garbage = torch.randn(PADDED, *step.key.shape[1:], device=device).to(step.key.dtype)
     slots = torch.cat((step.slots, torch.full((PADDED,), -1, dtype=step.slots.dtype, device=device)))
     gpu.write_cache(torch.cat((step.key, garbage)), torch.cat((step.value, garbage)), cache, slots)
-    launch = {name: value for name, value in (("query_tile", sizes.query_tile), ("min_split_keys", sizes.min_split_keys))
-              if value is not None}
+    launch = {name: value for name, value in (("query_tile", sizes.query_tile),
+                                              ("min_split_keys", sizes.min_split_keys)) if value is not None}
     plan = kernel_plan(step.tables, query_start_cpu=step.starts.cpu(), query_start=step.starts.to(torch.int32),
                        seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
                        block_table=step.block_table.to(torch.int32), slot_mapping=slots[: -PADDED], **launch)
@@ -210,9 +212,9 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
     rows, cases = step_rows(sizes), []
     with tqdm(total=len(sizes.shapes) * (len(rows) + len(dtypes)), desc="kernels", unit="step") as bar:
         for seed, shape in enumerate(sizes.shapes):
-            build = lambda dtype: paged_step(rows, seed=seed, head=shape.head, kv=shape.kv,  # noqa: E731
-                                             group=shape.group, block=BLOCK, dtype=DTYPES[dtype], grid=torch.bfloat16)
-            reference = build("float32")
+            build = partial(paged_step, rows, seed=seed, head=shape.head, kv=shape.kv, group=shape.group, block=BLOCK,
+                            grid=torch.bfloat16)  # this shape's step, in a dtype
+            reference = build(dtype=DTYPES["float32"])
             expected = []
             for r in range(len(rows)):
                 bar.set_postfix_str(f"oracle: {shape.label}, row {r + 1}/{len(rows)}")
@@ -220,7 +222,7 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
                 bar.update()
             for dtype in dtypes:
                 bar.set_postfix_str(f"kernels: {shape.label}, {dtype}")
-                step = build(dtype)
+                step = build(dtype=DTYPES[dtype])
                 assert torch.equal(step.query.float(), reference.query), "the dtypes' steps must hold the same numbers"
                 try:
                     cases.append(check_case(step, expected, shape, dtype, tolerances[dtype], device, sizes))
@@ -347,7 +349,8 @@ def summary(report: dict) -> str:
         for case in kernels["cases"]:
             lines.append(f"{case['shape']:<44} {case['dtype']:<9} {number(case['max_error']):>10} "
                          f"{number(case['relative_error']):>10} {case['tolerance']:>8.0e}  "
-                         f"{'exact' if case['cache_write_exact'] else 'WRONG':<5}  {'pass' if case['passed'] else 'FAIL'}")
+                         f"{'exact' if case['cache_write_exact'] else 'WRONG':<5}  "
+                         f"{'pass' if case['passed'] else 'FAIL'}")
             if "error" in case:
                 lines.append(f"    raised {case['error'].splitlines()[0][:200]}")
             for row in case["rows"] if not case["passed"] else []:

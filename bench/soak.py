@@ -89,8 +89,8 @@ def markdown(report: dict) -> str:
     ttft, itl = load["ttft_s"], load["itl_s"]
     rows = [("requests done / failed", f"{load['completed']} / {load['failed']} (error rate {load['error_rate']:.1%}) "
                                        f"in {report['minutes']:.0f} min"),
-            ("RSS, server + engine", f"{report['rss_start_mib']:.0f} MiB at the start, {report['rss_peak_mib']:.0f} peak, "
-                                     f"{report['rss_end_mib']:.0f} at the end"),
+            ("RSS, server + engine", f"{report['rss_start_mib']:.0f} MiB at the start, "
+                                     f"{report['rss_peak_mib']:.0f} peak, {report['rss_end_mib']:.0f} at the end"),
             ("RSS trend, second half", f"{report['rss_growth_mib_per_hour']:+.0f} MiB/h"),
             ("time to first token", f"median {ttft['median']:.0f} s, p99 {ttft['p99']:.0f} s"),
             ("gap between tokens", f"median {itl['median']:.2f} s, p90 {itl['p90']:.1f} s, p99 {itl['p99']:.1f} s"),
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                 samples), daemon=True)
         sampler.start()
         try:
-            loadtest.main(["--url", server.base, *WORKLOAD, "--duration", str(args.minutes * 60), "--out", str(load_path)])
+            loadtest.main(["--url", server.base, *WORKLOAD, "--duration", str(args.minutes * 60),
+                           "--out", str(load_path)])
         finally:
             stop.set()
             sampler.join()

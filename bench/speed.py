@@ -371,8 +371,8 @@ def print_summary(report: dict) -> None:
                   f" {values[n]['tpot'] * 1000:>8.1f} {ratio['tpot']:>8.2f}")
     b = report["batch8"]
     print(f"batch of 8 x {b['length']} tokens, {b['new_tokens']} new each: plugin (mixed settings) "
-          f"{b['tokens_per_second']['plugin_mixed']:.1f} tok/s, stock {b['tokens_per_second']['stock_plain']:.1f} tok/s,"
-          f" ratio {b['throughput_ratio']:.2f}")
+          f"{b['tokens_per_second']['plugin_mixed']:.1f} tok/s, "
+          f"stock {b['tokens_per_second']['stock_plain']:.1f} tok/s, ratio {b['throughput_ratio']:.2f}")
     kv = report["kv_bytes_per_token"]
     print(f"KV-cache bytes per token: stock {kv['stock']:.0f}, plugin {kv['plugin']:.0f}")
 
@@ -414,8 +414,9 @@ def ratio_readings(report: dict) -> list[str]:
     sweep, longest = report["scaling"], str(max(report["scaling_lengths"]))
     if longest not in map(str, report["lengths"]):
         rerope, stock = sweep["rerope"][longest], sweep["stock"][longest]
-        lines.append(f"At {kilo(longest)} (the sweep) rerope's prefill takes {rerope['prefill'] / stock['prefill']:.2f}x "
-                     f"stock's time and its decode {rerope['tpot'] / stock['tpot']:.2f}x.")
+        lines.append(f"At {kilo(longest)} (the sweep) rerope's prefill takes "
+                     f"{rerope['prefill'] / stock['prefill']:.2f}x stock's time and its decode "
+                     f"{rerope['tpot'] / stock['tpot']:.2f}x.")
     return lines
 
 

@@ -58,7 +58,8 @@ def run_label(run: dict, runs: list[dict]) -> str:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| budget | ITL median | ITL p90 | ITL p99 | TTFT median | TTFT p99 | TPOT median | total tok/s | duration |",
+    lines = ["| budget | ITL median | ITL p90 | ITL p99 | TTFT median | TTFT p99 | TPOT median | total tok/s "
+             "| duration |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         lines.append(f"| {run_label(r, runs)} | {r['itl_s']['median']:.3f} s | {r['itl_s']['p90']:.2f} s | "
@@ -82,12 +83,12 @@ def budget_readings(runs: list[dict]) -> list[str]:
     largest, smallest, chosen = runs[0], runs[-1], chosen_budget(runs)
     return [f"The p99 gap between tokens falls from {largest['itl_s']['p99']:.1f} s at {largest['budget']:,} to "
             f"{smallest['itl_s']['p99']:.1f} s at {smallest['budget']:,}.",
-            f"The smallest budget that keeps the p90 gap within 10% of {largest['budget']:,}'s and the throughput within "
-            f"5% of the best is {chosen['budget']:,}: its p99 gap is "
+            f"The smallest budget that keeps the p90 gap within 10% of {largest['budget']:,}'s and the throughput "
+            f"within 5% of the best is {chosen['budget']:,}: its p99 gap is "
             f"{largest['itl_s']['p99'] / chosen['itl_s']['p99']:.1f}x shorter than {largest['budget']:,}'s.",
             f"At {smallest['budget']:,} the throughput is "
-            f"{1 - smallest['total_tokens_per_s'] / largest['total_tokens_per_s']:.0%} below {largest['budget']:,}'s and "
-            f"its p99 time to first token {smallest['ttft_s']['p99'] / largest['ttft_s']['p99']:.2f}x as long."]
+            f"{1 - smallest['total_tokens_per_s'] / largest['total_tokens_per_s']:.0%} below {largest['budget']:,}'s "
+            f"and its p99 time to first token {smallest['ttft_s']['p99'] / largest['ttft_s']['p99']:.2f}x as long."]
 
 
 def reserved_readings(runs: list[dict]) -> list[str]:

@@ -81,7 +81,8 @@ def baseline_generate(model_dir: str, ids: list[int], new_tokens: int, window: i
     base, pairs = float(config.rope_parameters["rope_theta"]), torch.arange(0, config.head_dim, 2, dtype=torch.float64)
     theta = base ** (-pairs / config.head_dim)  # the checkpoint's plain RoPE, in float64
     AttentionInterface.register(ATTENTION_NAME, ReferenceStyleReRoPE(theta, window))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation=ATTENTION_NAME)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
+                                                 attn_implementation=ATTENTION_NAME)
     model.model.rotary_emb = UnrotatedRotaryEmbedding(config.head_dim)
     model.eval()
     began = time.perf_counter()
@@ -102,12 +103,14 @@ def plugin_generate(model_dir: str, ids: list[int], new_tokens: int, window: int
 
     max_len = 1 << (len(ids) + new_tokens).bit_length()
     compute_on_every_core()
-    llm = LLM(**engine_kwargs(model_dir, defaults={"method": "rerope", "window": window}, max_model_len=max(max_len, 8192),
-                              dtype="float32", kv_cache_memory_bytes=3 << 30, max_num_batched_tokens=max(max_len, 8192)))
+    llm = LLM(**engine_kwargs(model_dir, defaults={"method": "rerope", "window": window},
+                              max_model_len=max(max_len, 8192), dtype="float32", kv_cache_memory_bytes=3 << 30,
+                              max_num_batched_tokens=max(max_len, 8192)))
     defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, None, defaults)
-    llm.generate([{"prompt_token_ids": [5] * 16, "cache_salt": "warm-up"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [5] * 16, "cache_salt": "warm-up"}], SamplingParams(max_tokens=2),
+                 use_tqdm=False)
     began = time.perf_counter()
     output = llm.generate([prompt], params, use_tqdm=False)[0]
     elapsed = time.perf_counter() - began
@@ -120,10 +123,10 @@ def markdown(report: dict) -> str:
     met = "met" if report["speedup"] >= TARGET_SPEEDUP else "not met"
     tokens = ("identical" if report["identical_tokens"]
               else f"the same up to token {report['first_difference']}")
-    return (f"Measured {report['date'][:10]}: a {report['length']:,}-token prompt and {report['new_tokens']} new tokens, "
-            f"window {report['window']:,}, float32, greedy: transformers {report['baseline_seconds']:.1f} s, the plugin "
-            f"{report['plugin_seconds']:.1f} s, {report['speedup']:.1f}x faster (target {TARGET_SPEEDUP}x: {met}); "
-            f"the {report['new_tokens']} greedy tokens are {tokens}.")
+    return (f"Measured {report['date'][:10]}: a {report['length']:,}-token prompt and {report['new_tokens']} new "
+            f"tokens, window {report['window']:,}, float32, greedy: transformers {report['baseline_seconds']:.1f} s, "
+            f"the plugin {report['plugin_seconds']:.1f} s, {report['speedup']:.1f}x faster "
+            f"(target {TARGET_SPEEDUP}x: {met}); the {report['new_tokens']} greedy tokens are {tokens}.")
 
 
 def main() -> None:
