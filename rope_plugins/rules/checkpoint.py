@@ -83,7 +83,8 @@ def checkpoint_rotary(hf_config: Any, layer_type: str = FULL_ATTENTION) -> Check
         theta = rope_inv_freq(head_dim, base) / float(parameters["factor"])
     elif kind == "llama3":
         theta = llama3_inv_freq(head_dim, base, float(parameters["factor"]), float(parameters["low_freq_factor"]),
-                                float(parameters["high_freq_factor"]), int(parameters["original_max_position_embeddings"]))
+                                float(parameters["high_freq_factor"]),
+                                int(parameters["original_max_position_embeddings"]))
     else:
         theta, attention_factor, length = _yarn(parameters, head_dim, base, length)
     return CheckpointRotary(kind=kind, base=base, head_dim=head_dim, train_length=length,

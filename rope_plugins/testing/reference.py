@@ -131,7 +131,8 @@ def oracle_query_frequencies(settings: ExtensionSettings, head_dim: int, base: f
     on_checkpoint = oracle_checkpoint(rope, head_dim, base)[0] / oracle_checkpoint(None, head_dim, base)[0]
     rows = []
     for m in positions.tolist():
-        scaled_base = base * (oracle_dynamic_length(settings, m + 1) / settings.train_length) ** (head_dim / (head_dim - 2))
+        stretch = oracle_dynamic_length(settings, m + 1) / settings.train_length
+        scaled_base = base * stretch ** (head_dim / (head_dim - 2))
         dynamic = torch.tensor([scaled_base ** (-2 * i / head_dim) for i in range(head_dim // 2)], dtype=torch.float64)
         rows.append(dynamic * on_checkpoint)
     return torch.stack(rows)

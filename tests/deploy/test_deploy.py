@@ -237,7 +237,8 @@ def test_kubernetes_probes_ports_grace_and_secret():
         assert container[probe]["httpGet"]["path"] in routes
     assert pod["terminationGracePeriodSeconds"] > float(env["ROPE_EXTEND_SHUTDOWN_TIMEOUT"]["value"])
     secret_ref = env["ROPE_EXTEND_API_KEY"]["valueFrom"]["secretKeyRef"]
-    assert secret_ref["name"] == docs["Secret"]["metadata"]["name"] and secret_ref["key"] in docs["Secret"]["stringData"]
+    assert secret_ref["name"] == docs["Secret"]["metadata"]["name"]
+    assert secret_ref["key"] in docs["Secret"]["stringData"]
     assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
     assert pod["securityContext"]["runAsUser"] == 10001
 
@@ -250,6 +251,7 @@ def test_autoscaler_metric_is_one_the_server_exports():
     assert metric in exported
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size", "--distributed-executor-backend"])
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size",
+                                  "--distributed-executor-backend"])
 def test_scaling_flags_documented_in_deploy_readme(flag):
     assert flag in (DEPLOY / "README.md").read_text()

@@ -72,7 +72,8 @@ def test_it_answers_through_the_server(real_model, tmp_path):
                                                     max_tokens=80, temperature=0)
             text = answer.choices[0].message.content
         else:
-            text = client.completions.create(model=card.id, prompt=question, max_tokens=8, temperature=0).choices[0].text
+            answer = client.completions.create(model=card.id, prompt=question, max_tokens=8, temperature=0)
+            text = answer.choices[0].text
         assert all(word in text for word in expected), text
         if name == "qwen2.5-coder-0.5b":
             the_openai_surface_on_qwen(client, card.id)

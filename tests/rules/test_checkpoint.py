@@ -135,8 +135,8 @@ def test_every_method_on_every_table_equals_the_oracle(kind, method):
     rope, head_dim = KINDS[kind], 64
     settings = ExtensionSettings(method=method, factor=3.0, beta=0.4, train_length=8192)
     rotary = checkpoint_rotary(llama_config(rope, head_dim))
-    torch.testing.assert_close(inv_freq(settings, rotary), oracle_frequencies(settings, head_dim, rope["rope_theta"], rope),
-                               rtol=1e-12, atol=0)
+    expected = oracle_frequencies(settings, head_dim, rope["rope_theta"], rope)
+    torch.testing.assert_close(inv_freq(settings, rotary), expected, rtol=1e-12, atol=0)
 
 
 def test_a_declared_yarn_scales_the_query_by_its_attention_factor_squared():

@@ -48,8 +48,8 @@ def test_frequencies_match_hand_calculation(method):
 @pytest.mark.parametrize("method", ["rerope", "leaky_rerope"])
 def test_relative_methods_keep_plain_frequencies(method):
     settings = ExtensionSettings(method=method, factor=K, train_length=512)
-    torch.testing.assert_close(inv_freq(settings, CheckpointRotary.plain(D, BASE, 4096)), torch.tensor(HAND["none"], dtype=torch.float64),
-                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(inv_freq(settings, CheckpointRotary.plain(D, BASE, 4096)),
+                               torch.tensor(HAND["none"], dtype=torch.float64), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -57,8 +57,8 @@ def test_relative_methods_keep_plain_frequencies(method):
     (64, 100000.0, 4.0, 0.625, 8192), (128, 500000.0, 16.0, 0.3, 4096), (8, 10000.0, 2.5, 0.9, 256)])
 def test_the_table_equals_the_oracle_transcriptions(method, head_dim, base, factor, beta, train_length):
     settings = ExtensionSettings(method=method, factor=factor, beta=beta, train_length=train_length)
-    torch.testing.assert_close(inv_freq(settings, CheckpointRotary.plain(head_dim, base, 4096)), oracle_frequencies(settings, head_dim, base),
-                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(inv_freq(settings, CheckpointRotary.plain(head_dim, base, 4096)),
+                               oracle_frequencies(settings, head_dim, base), rtol=1e-12, atol=0)
 
 
 def transformers_rope(rope_type: str, head_dim: int, base: float, **parameters) -> tuple[torch.Tensor, float]:
@@ -82,7 +82,8 @@ def test_pi_and_yarn_rows_equal_transformers(head_dim, base, factor, train_lengt
     transformers' attention factor (which it puts on q and k alike)."""
     pi = ExtensionSettings(method="pi", factor=factor, train_length=train_length)
     theirs, _ = transformers_rope("linear", head_dim, base, factor=factor)
-    torch.testing.assert_close(row_values(pi, CheckpointRotary.plain(head_dim, base, 4096)).theta, theirs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(row_values(pi, CheckpointRotary.plain(head_dim, base, 4096)).theta, theirs,
+                               rtol=1e-6, atol=0)
     yarn = ExtensionSettings(method="yarn", factor=factor, train_length=train_length)
     theirs, attention_factor = transformers_rope("yarn", head_dim, base, factor=factor,
                                                  original_max_position_embeddings=train_length)
@@ -94,8 +95,8 @@ def test_pi_and_yarn_rows_equal_transformers(head_dim, base, factor, train_lengt
 @pytest.mark.parametrize("head_dim,base,factor", [(64, 100000.0, 4.0), (128, 10000.0, 16.0), (8, 500000.0, 2.5)])
 def test_ntk_mixed_identities_of_the_seed(head_dim, base, factor):
     # beta = 1 is ntk_fixed, beta = 0 is position interpolation
-    torch.testing.assert_close(ntk_mixed_inv_freq(head_dim, base, factor, 1.0), ntk_fixed_inv_freq(head_dim, base, factor),
-                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(ntk_mixed_inv_freq(head_dim, base, factor, 1.0),
+                               ntk_fixed_inv_freq(head_dim, base, factor), rtol=1e-12, atol=0)
     torch.testing.assert_close(ntk_mixed_inv_freq(head_dim, base, factor, 0.0), pi_inv_freq(head_dim, base, factor),
                                rtol=1e-12, atol=0)
     # every beta extends the lowest frequency by exactly k (lambda_1 ... lambda_{d/2} = k)
@@ -145,7 +146,8 @@ def test_log_n_factor():
     got = log_n_scale(positions, 512)
     expected = [1, 1, 1, math.log(513) / math.log(512), math.log(1024) / math.log(512), 12 / 9]
     torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
-    yarn = row_values(ExtensionSettings(method="yarn", factor=4.0, log_n=True, train_length=512), CheckpointRotary.plain(8, BASE, 4096))
+    yarn = row_values(ExtensionSettings(method="yarn", factor=4.0, log_n=True, train_length=512),
+                      CheckpointRotary.plain(8, BASE, 4096))
     assert yarn.query_factor == pytest.approx((0.1 * math.log(4) + 1) ** 2) and yarn.log_n_length == 512
 
 

@@ -81,7 +81,8 @@ def v2_engine(model_dir, **engine):
     """``conftest.running_engine(model_dir, **engine)`` on the V2 runner, in a child process."""
     ours, theirs = socket.socketpair()
     child = subprocess.Popen([sys.executable, "-m", __spec__.name, str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                             env={**os.environ, **V2_ENV}, stdin=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[2])
+                             env={**os.environ, **V2_ENV}, stdin=subprocess.DEVNULL,
+                             cwd=Path(__file__).resolve().parents[2])
     theirs.close()
     connection = Connection(ours.detach())
     connection.send((str(model_dir), engine))
