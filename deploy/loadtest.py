@@ -114,18 +114,25 @@ async def one_request(client, model: str, prompt: list[int], settings: dict, out
 
 
 async def run(args) -> dict:
+    require_loopback(args.url)
+    card, tokens = await server_and_corpus(args)
+    rng = random.Random(args.seed)
+    plan = draw_plan(args, tokens, rng)
+    results, elapsed = await send(args, card["id"], plan, rng)
+    return report_of(args, card, len(plan), results, elapsed)
+
+
+async def server_and_corpus(args) -> tuple[dict, list[int]]:
+    """The served model's card, and the corpus as its token ids (through /tokenize, in pieces,
+    until there are twice the longest prompt's); exits if the prompts cannot fit or the corpus is short."""
     import httpx
-    from openai import AsyncOpenAI
-    from tqdm import tqdm
 
     from rope_plugins.deploy.corpus import load_corpus
 
-    require_loopback(args.url)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600) as http:
         card = (await http.get("/v1/models")).raise_for_status().json()["data"][0]
-        model, served, train_length = card["id"], card["max_model_len"], card["train_length"]
-        longest = max(args.prompt_lengths)
+        longest, served = max(args.prompt_lengths), card["max_model_len"]
         if longest + args.output_tokens > served:
             sys.exit(f"loadtest: prompts up to {longest} + {args.output_tokens} tokens exceed the server's "
                      f"maximum {served}")
@@ -134,12 +141,17 @@ async def run(args) -> dict:
         for start in range(0, len(text), 200_000):  # /tokenize in pieces
             if len(tokens) > 2 * longest:
                 break
-            piece = await http.post("/tokenize", json={"prompt": text[start:start + 200_000], "add_special_tokens": False})
+            piece = await http.post("/tokenize", json={"prompt": text[start:start + 200_000],
+                                                       "add_special_tokens": False})
             tokens += piece.raise_for_status().json()["tokens"]
     if len(tokens) < longest + 1:
         sys.exit(f"loadtest: the corpus has {len(tokens)} tokens, fewer than the longest prompt ({longest})")
+    return card, tokens
 
-    rng = random.Random(args.seed)
+
+def draw_plan(args, tokens: list[int], rng: random.Random) -> list[tuple[list[int], dict]]:
+    """``--requests`` (prompt, settings) pairs: a length drawn from ``--prompt-lengths``, a real
+    passage of that many tokens, settings drawn from the mix by weight."""
     mix = parse_mix(args.mix)
     plan = []
     for _ in range(args.requests):
@@ -147,6 +159,15 @@ async def run(args) -> dict:
         start = rng.randrange(0, len(tokens) - length)  # a different real passage each time
         settings = rng.choices([s for s, _ in mix], weights=[w for _, w in mix])[0]
         plan.append((tokens[start:start + length], settings))
+    return plan
+
+
+async def send(args, model: str, plan: list[tuple[list[int], dict]],
+               rng: random.Random) -> tuple[list[RequestResult], float]:
+    """The plan's requests, at most ``--concurrency`` at a time, none started after ``--duration``;
+    their results in the order they finished, and the seconds the whole took."""
+    from openai import AsyncOpenAI
+    from tqdm import tqdm
 
     client = AsyncOpenAI(base_url=f"{args.url}/v1", api_key=args.api_key or "unused", max_retries=0,
                          timeout=args.request_timeout)
@@ -176,19 +197,23 @@ async def run(args) -> dict:
     bar.close()
     elapsed = time.perf_counter() - began
     await client.close()
+    return results, elapsed
 
+
+def report_of(args, card: dict, planned: int, results: list[RequestResult], elapsed: float) -> dict:
+    """The JSON report: the run's settings, counts, throughput and latency percentiles, each request."""
     done = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in done)
     total = output + sum(r.prompt_tokens for r in done)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "model": model, "served_max": served, "train_length": train_length,
+        "model": card["id"], "served_max": card["max_model_len"], "train_length": card["train_length"],
         "config": {"requests": args.requests, "concurrency": args.concurrency, "rate": args.rate,
                    "duration_limit_s": args.duration, "prompt_lengths": args.prompt_lengths,
                    "output_tokens": args.output_tokens, "mix": args.mix, "corpus": args.corpus, "seed": args.seed},
         "duration_s": elapsed,
-        "completed": len(done), "failed": len(results) - len(done), "not_sent": len(plan) - len(results),
+        "completed": len(done), "failed": len(results) - len(done), "not_sent": planned - len(results),
         "error_rate": (len(results) - len(done)) / len(results) if results else 0.0,
         "output_tokens_per_s": output / elapsed, "total_tokens_per_s": total / elapsed,
         "ttft_s": percentiles([r.ttft for r in done if r.ttft is not None]),
@@ -237,11 +262,13 @@ def plot(report: dict, path: Path) -> None:
 def summary(report: dict) -> str:
     lines = [f"completed {report['completed']}, failed {report['failed']}, not sent {report['not_sent']} "
              f"(error rate {report['error_rate']:.1%}) in {report['duration_s']:.0f} s",
-             f"output {report['output_tokens_per_s']:.2f} tok/s, total (prompt + output) {report['total_tokens_per_s']:.1f} tok/s",
+             f"output {report['output_tokens_per_s']:.2f} tok/s, "
+             f"total (prompt + output) {report['total_tokens_per_s']:.1f} tok/s",
              f"{'':6} {'mean':>9} {'median':>9} {'p90':>9} {'p99':>9}"]
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         row = report[name]
-        cells = " ".join(f"{row[k]:>9.3f}" if row[k] is not None else f"{'-':>9}" for k in ("mean", "median", "p90", "p99"))
+        cells = " ".join(f"{row[k]:>9.3f}" if row[k] is not None else f"{'-':>9}"
+                         for k in ("mean", "median", "p90", "p99"))
         lines.append(f"{name[:-2].upper():6} {cells}  (s)")
     return "\n".join(lines)
 
