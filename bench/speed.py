@@ -36,6 +36,7 @@ TARGETS = {"prefill": {"rerope": 1.15, "leaky_rerope": 1.15, "ntk_mixed": 1.10},
            "tpot": {"rerope": 1.10, "leaky_rerope": 1.10, "ntk_mixed": 1.10}}
 BATCH_TARGET = 0.95
 TARGET_FROM = 16384
+BATCH_LENGTH, BATCH_TOKENS = 2048, 64  # the batch: 8 prompts of this length, this many new tokens each
 BATCH_MIX = [{"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "ntk_mixed"}, {"method": "none"},
              {"method": "yarn"}, {"method": "pi"}, {"method": "rerope", "log_n": True}, {"method": "ntk_fixed"}]
 
@@ -190,7 +191,7 @@ def rotated(configs: list[str], rep: int) -> list[str]:
     return configs[shift:] + configs[:shift]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
     parser.add_argument("--reps", type=int, default=3)
@@ -205,6 +206,13 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true",
                         help="print --out as bench/README.md shows it (tables and readings) and stop")
     args = parser.parse_args()
+    if args.quick:
+        args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.markdown:
         print(markdown(json.loads(args.out.read_text())))
         return
@@ -213,105 +221,132 @@ def main() -> None:
         print_repetition(report, args.show_rep - 1)
         plot(report, args.out.with_suffix(".png"), rep=args.show_rep - 1)
         return
-    if args.quick:
-        args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
-
-    # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
-    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
-    from tqdm import tqdm
-    from vllm import SamplingParams
-
-    from rope_plugins.frontend.engine_args import compute_on_every_core, extension_request
-    from rope_plugins.server.provision import provision_default_model
-
-    model = str(provision_default_model())
-    bandwidth = memory_bandwidth()  # before the engines start: the machine alone
-    longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
-    max_len = 1 << (longest - 1).bit_length()
-    common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
-                  max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
-    compute_on_every_core()  # the same cores for stock and plugin
-    engines = SideBySide.start(model, **common)
-    stock, plugin, defaults = engines.stock, engines.plugin, engines.defaults
-
-    all_lengths = sorted(set(args.lengths + args.scaling_lengths))
-    samples: dict[str, dict[int, dict[str, list[float]]]] = {c: {n: {"prefill": [], "tpot": []} for n in all_lengths}
-                                                            for c in CONFIGS}
-    peak: dict[str, dict[int, int]] = {c: {} for c in CONFIGS}
+    run = SpeedRun.start(args)
     rng = random.Random(0)
-    engines.warm_up()
-    # a batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM
-    batch_length, batch_tokens = 2048, 64
-    batch = {"plugin_mixed": [], "stock_plain": []}
-    for rep in range(args.reps):
-        prompts = [engines.prompt(rng, batch_length) for _ in BATCH_MIX]
-        params = SamplingParams(max_tokens=batch_tokens, temperature=0.0, ignore_eos=True)
-        built = [extension_request({"prompt_token_ids": p}, params, f, defaults) for p, f in zip(prompts, BATCH_MIX)]
-        for name in (["plugin_mixed", "stock_plain"] if rep % 2 == 0 else ["stock_plain", "plugin_mixed"]):
-            began = time.perf_counter()
-            if name == "stock_plain":
-                stock.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            else:
-                plugin.generate([b[0] for b in built], [b[1] for b in built], use_tqdm=False)
-            batch[name].append(len(prompts) * batch_tokens / (time.perf_counter() - began))
+    run.engines.warm_up()
+    run.measure_batch(rng)
+    run.measure_lengths(rng)
+    report = run.write_report()
+    plot(report, args.out.with_suffix(".png"))
+    print_summary(report)
 
-    def kv_bytes_per_token(llm) -> float:
-        cache = llm.llm_engine.vllm_config.cache_config
-        return KV_BYTES / (cache.num_gpu_blocks * cache.block_size)
 
-    median = statistics.median
+def kv_bytes_per_token(llm) -> float:
+    cache = llm.llm_engine.vllm_config.cache_config
+    return KV_BYTES / (cache.num_gpu_blocks * cache.block_size)
 
-    def medians(config: str, lengths: list[int]) -> dict:
-        return {n: {k: median(v) for k, v in samples[config][n].items()} for n in lengths
-                if samples[config][n]["prefill"] and samples[config][n]["tpot"]}
 
-    def write_report() -> dict:
-        """The report from what has been measured so far (written after every run, so a run
-        that dies keeps its results)."""
+class SpeedRun:
+    """A run's two engines and what it has measured so far: per configuration, length and
+    kind ("prefill", "tpot") the seconds of each repetition, the peak memory around each
+    prefill, and the batch's tokens per second."""
+
+    def __init__(self, args: argparse.Namespace, engines: SideBySide, model: str, bandwidth: dict[str, float]):
+        self.args, self.engines, self.model, self.bandwidth = args, engines, model, bandwidth
+        self.all_lengths = sorted(set(args.lengths + args.scaling_lengths))
+        self.samples: dict[str, dict[int, dict[str, list[float]]]] = {
+            c: {n: {"prefill": [], "tpot": []} for n in self.all_lengths} for c in CONFIGS}
+        self.peak: dict[str, dict[int, int]] = {c: {} for c in CONFIGS}
+        self.batch: dict[str, list[float]] = {"plugin_mixed": [], "stock_plain": []}
+
+    @classmethod
+    def start(cls, args: argparse.Namespace) -> SpeedRun:
+        """The engines on the default model, long enough for every length and the decode tokens,
+        on every core; the machine's memory bandwidth measured first, alone."""
+        # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
+        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
+        from rope_plugins.frontend.engine_args import compute_on_every_core
+        from rope_plugins.server.provision import provision_default_model
+
+        model = str(provision_default_model())
+        bandwidth = memory_bandwidth()  # before the engines start: the machine alone
+        longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
+        max_len = 1 << (longest - 1).bit_length()
+        common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
+                      max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
+        compute_on_every_core()  # the same cores for stock and plugin
+        return cls(args, SideBySide.start(model, **common), model, bandwidth)
+
+    def measure_batch(self, rng: random.Random) -> None:
+        """A batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM, once
+        per repetition (which goes first alternates)."""
+        from vllm import SamplingParams
+
+        from rope_plugins.frontend.engine_args import extension_request
+
+        engines = self.engines
+        for rep in range(self.args.reps):
+            prompts = [engines.prompt(rng, BATCH_LENGTH) for _ in BATCH_MIX]
+            params = SamplingParams(max_tokens=BATCH_TOKENS, temperature=0.0, ignore_eos=True)
+            built = [extension_request({"prompt_token_ids": p}, params, f, engines.defaults)
+                     for p, f in zip(prompts, BATCH_MIX)]
+            for name in (["plugin_mixed", "stock_plain"] if rep % 2 == 0 else ["stock_plain", "plugin_mixed"]):
+                began = time.perf_counter()
+                if name == "stock_plain":
+                    engines.stock.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                else:
+                    engines.plugin.generate([b[0] for b in built], [b[1] for b in built], use_tqdm=False)
+                self.batch[name].append(len(prompts) * BATCH_TOKENS / (time.perf_counter() - began))
+
+    def measure_lengths(self, rng: random.Random) -> None:
+        """Prefill and TPOT of every configuration at the main lengths, ``--reps`` times, then of
+        stock and rerope at the sweep's other lengths; the report written after every run."""
+        from tqdm import tqdm
+
+        args = self.args
+        jobs = [(rep, n, CONFIGS) for rep in range(args.reps) for n in args.lengths]
+        jobs += [(rep, n, CONFIGS[:2]) for rep in range(args.scaling_reps) for n in args.scaling_lengths
+                 if n not in args.lengths]
+        with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
+            for rep, n, configs in jobs:
+                for config in rotated(configs, rep):
+                    memory = PeakMemory()
+                    prefill, tpot = self.engines.prefill_and_tpot(config, self.engines.prompt(rng, n),
+                                                                  args.decode_tokens, around_prefill=memory)
+                    self.samples[config][n]["prefill"].append(prefill)
+                    self.samples[config][n]["tpot"].append(tpot)
+                    self.peak[config][n] = max(self.peak[config].get(n, 0), memory.peak)
+                    bar.set_postfix(length=n, config=config)
+                    bar.update()
+                    self.write_report()
+
+    def medians(self, config: str, lengths: list[int]) -> dict:
+        samples = self.samples[config]
+        return {n: {k: statistics.median(v) for k, v in samples[n].items()} for n in lengths
+                if samples[n]["prefill"] and samples[n]["tpot"]}
+
+    def report(self) -> dict:
+        """The report from what has been measured so far."""
+        args, samples, batch, median = self.args, self.samples, self.batch, statistics.median
         report = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores",
-            "memory_bandwidth": bandwidth, "weight_bytes": weight_bytes(model),
+            "memory_bandwidth": self.bandwidth, "weight_bytes": weight_bytes(self.model),
             "model": "SmolLM2-135M-Instruct (float32)", "reps": args.reps, "decode_tokens": args.decode_tokens,
-            "lengths": args.lengths, "scaling_lengths": all_lengths,
-            "median": {c: medians(c, args.lengths) for c in CONFIGS},
+            "lengths": args.lengths, "scaling_lengths": self.all_lengths,
+            "median": {c: self.medians(c, args.lengths) for c in CONFIGS},
             "ratio_to_stock": {c: {n: {k: median(samples[c][n][k]) / median(samples["stock"][n][k])
                                        for k in ("prefill", "tpot")}
-                                   for n in medians(c, args.lengths) if n in medians("stock", args.lengths)}
+                                   for n in self.medians(c, args.lengths) if n in self.medians("stock", args.lengths)}
                                for c in CONFIGS if c != "stock"},
-            "scaling": {c: medians(c, all_lengths) for c in CONFIGS[:2]},
+            "scaling": {c: self.medians(c, self.all_lengths) for c in CONFIGS[:2]},
             "samples": samples,
-            "batch8": {"length": batch_length, "new_tokens": batch_tokens,
+            "batch8": {"length": BATCH_LENGTH, "new_tokens": BATCH_TOKENS,
                        "tokens_per_second": {k: median(v) for k, v in batch.items()},
                        "throughput_ratio": median(batch["plugin_mixed"]) / median(batch["stock_plain"])},
-            "kv_bytes_per_token": {"stock": kv_bytes_per_token(stock), "plugin": kv_bytes_per_token(plugin)},
-            "peak_process_bytes": peak,
+            "kv_bytes_per_token": {"stock": kv_bytes_per_token(self.engines.stock),
+                                   "plugin": kv_bytes_per_token(self.engines.plugin)},
+            "peak_process_bytes": self.peak,
         }
         report["decode_gb_per_second"] = decode_bandwidth(report)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
         return report
 
-    jobs = [(rep, n, CONFIGS) for rep in range(args.reps) for n in args.lengths]
-    jobs += [(rep, n, CONFIGS[:2]) for rep in range(args.scaling_reps) for n in args.scaling_lengths
-             if n not in args.lengths]
-    with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
-        for rep, n, configs in jobs:
-            for config in rotated(configs, rep):
-                memory = PeakMemory()
-                prefill, tpot = engines.prefill_and_tpot(config, engines.prompt(rng, n), args.decode_tokens,
-                                                         around_prefill=memory)
-                samples[config][n]["prefill"].append(prefill)
-                samples[config][n]["tpot"].append(tpot)
-                peak[config][n] = max(peak[config].get(n, 0), memory.peak)
-                bar.set_postfix(length=n, config=config)
-                bar.update()
-                write_report()
-
-
-    report = write_report()
-    plot(report, args.out.with_suffix(".png"))
-    print_summary(report)
+    def write_report(self) -> dict:
+        """The report, written to ``--out`` (after every run, so a run that dies keeps its results)."""
+        report = self.report()
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return report
 
 
 def one_repetition(report: dict, rep: int) -> dict:
