@@ -159,13 +159,13 @@ def plugin_decode(window: int, far_rule: bool):
         lengths = torch.full((rows,), seq, dtype=torch.int64)
         far_steps = Rotation(cos=ones(1, -(-seq // step)), sin=zeros(1, -(-seq // step)))
         far_offsets = Rotation(cos=ones(1, step), sin=zeros(1, step))
-        arguments = dict(
-            query=query, query_scale=torch.ones(rows), query_cos=ones(rows, 2), query_sin=zeros(rows, 2),
-            kv_cache=cache, block_ids=torch.arange(rows * per_row).view(rows, per_row), seq_lens=lengths,
+        inputs = native.decode_inputs(  # once per step, as the plugin packs them
+            query_scale=torch.ones(rows), query_rotation=Rotation(cos=ones(rows, 2), sin=zeros(rows, 2)),
+            block_table=torch.arange(rows * per_row).view(rows, per_row), seq_lens=lengths,
             window=torch.full((rows,), window, dtype=torch.int64), band_start=(lengths - window).clamp(min=0),
-            near_cos=ones(rows, window), near_sin=zeros(rows, window), far_steps=far_steps, far_offsets=far_offsets,
-            far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64), step=step, scale=SCALE)
-        return lambda: native.decode_attention(**arguments)
+            near=Rotation(cos=ones(rows, window), sin=zeros(rows, window)), far_steps=far_steps,
+            far_offsets=far_offsets, far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64))
+        return lambda: native.decode_attention(inputs, query=query, kv_cache=cache, scale=SCALE)
 
     return prepare
 

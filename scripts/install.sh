@@ -22,7 +22,7 @@ PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
 stamp="$VENV/.install-stamp"
-want="$EXTRAS $(cat pyproject.toml scripts/install.sh rope_plugins/ops/csrc/*.cpp | sha256sum | cut -c1-16)"
+want="$EXTRAS $(cat pyproject.toml scripts/install.sh rope_plugins/ops/csrc/* | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     echo "install: $VENV is up to date"
     exit 0

@@ -20,11 +20,11 @@ from rope_plugins.worker.row_tables import RowTables
 PREFILL_TILE = 256  # queries per near-band tile in prefill (at most the window)
 FAR_TABLES_KEPT = 16  # far-key rotation tables kept between steps (one per distinct (θ, ρ))
 
-DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many keys (csrc/decode_attention.cpp)
+DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many keys (it divides csrc's kDecodeChunk)
 
 # the Triton kernels' tiling (rope_plugins/ops/gpu.py)
 QUERY_TILE = 32  # queries per prefill program
-KEY_TILE = 32  # keys per inner step, prefill and decode
+KEY_TILE = 32  # keys per inner step, prefill and decode; the C++ prefill's key tile too (csrc/attention_inputs.h)
 DECODE_SPLITS = 16  # splits of the longest decode row (each at least MIN_SPLIT_KEYS keys)
 MIN_SPLIT_KEYS = 256
 
@@ -123,16 +123,6 @@ class DecodeQueries:
 
 
 @dataclass(frozen=True)
-class DecodeKernelTables:
-    """The C++ decode's rotation tables, made once per step for every layer's call."""
-
-    near: Rotation  # [Rd, W, d/2] the band keys' n θ (empty without a band)
-    far_steps: Rotation  # [U, S / step, d/2] far angles of positions 0, step, 2 step, ... (empty: no far rule)
-    far_offsets: Rotation  # [U, step, d/2] far angles of positions 0 .. step - 1
-    far_table: torch.Tensor  # [Rd] int64: the row's far rule, -1 = old keys read raw
-
-
-@dataclass(frozen=True)
 class DecodePlan:
     """All decode rows (one query each), batched over rows and cache blocks."""
 
@@ -147,20 +137,22 @@ class DecodePlan:
     queries: DecodeQueries
 
     @functools.cached_property
-    def kernel_tables(self) -> DecodeKernelTables:
+    def kernel_inputs(self):
+        """The C++ decode's inputs (csrc/attention_inputs.h), packed once per step for every layer's call."""
+        from rope_plugins.ops import native  # the planner serves the Triton kernels too: no C++ there
+
         rows, half = self.queries.scale.shape[0], self.queries.rotation.cos.shape[-1]
         empty = self.queries.rotation.cos.new_empty(0)
         none = Rotation(cos=empty, sin=empty)
-        if self.band is not None:
-            near = Rotation(cos=self.band.keys.cos.reshape(rows, -1, half), sin=self.band.keys.sin.reshape(rows, -1, half))
-        else:
-            near = none
+        near = none if self.band is None else Rotation(cos=self.band.keys.cos.reshape(rows, -1, half),
+                                                       sin=self.band.keys.sin.reshape(rows, -1, half))
         far = self.far_keys
-        if far is None:
-            return DecodeKernelTables(near=near, far_steps=none, far_offsets=none,
-                                      far_table=torch.full((rows,), -1, dtype=torch.int64))
-        return DecodeKernelTables(near=near, far_steps=far.every(DECODE_FAR_STEP),
-                                  far_offsets=far.first(DECODE_FAR_STEP), far_table=far.table_of_row)
+        return native.decode_inputs(
+            query_scale=self.queries.scale, query_rotation=self.queries.rotation, block_table=self.block_ids,
+            seq_lens=self.seq_lens, window=self.window, band_start=self.band_start, near=near,
+            far_steps=none if far is None else far.every(DECODE_FAR_STEP),
+            far_offsets=none if far is None else far.first(DECODE_FAR_STEP),
+            far_table=torch.full((rows,), -1, dtype=torch.int64) if far is None else far.table_of_row)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rope_plugins.attention.planner import DECODE_FAR_STEP, DecodePlan, PrefillRow, QueryPlan, Rotation
+from rope_plugins.attention.planner import KEY_TILE, DecodePlan, PrefillRow, QueryPlan, Rotation
 from rope_plugins.ops import native
 from rope_plugins.ops.merge import merge_partials
 from rope_plugins.rules.rotary import rotate_by
@@ -63,12 +63,9 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
     return cached[..., :head_dim], cached[..., head_dim:]
 
 
-KERNEL_KEY_TILE = 32  # the C++ prefill's key tile (csrc/prefill_attention.cpp)
-
-
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
     """The C++ prefill serves float32 with head sizes in whole key tiles, where it is built."""
-    return (query.dtype == torch.float32 and query.shape[-1] % KERNEL_KEY_TILE == 0
+    return (query.dtype == torch.float32 and query.shape[-1] % KEY_TILE == 0
             and native.kernels() is not None)
 
 
@@ -78,7 +75,7 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
     ``[L, heads, d]`` (the kernel scales and turns them as it reads them) and the paged cache:
     its keys read out once per chunk at their far angle (raw under ReRoPE) and, for the band, at
     their near angle, in tiles whose 32 keys of one dimension are one contiguous vector."""
-    tile, half = KERNEL_KEY_TILE, query.shape[-1] // 2
+    tile, half = KEY_TILE, query.shape[-1] // 2
     tiles = -(-row.seq_len // tile)
     flat = lambda rotation: Rotation(cos=rotation.cos.reshape(-1, half), sin=rotation.sin.reshape(-1, half))  # noqa: E731
     far_keys = native.cache_key_tiles(kv_cache=kv_cache, block_ids=block_ids, first=0, count=row.seq_len,
@@ -90,11 +87,12 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
         near_keys = native.cache_key_tiles(kv_cache=kv_cache, block_ids=block_ids, first=row.band_start,
                                            count=row.seq_len - row.band_start, rotation=flat(row.band_keys),
                                            origin=near_origin, tiles=tiles - near_origin // tile)
+    inputs = native.prefill_inputs(query_scale=queries.scale[row.tokens], near=flat(queries.near[row.tokens]),
+                                   far=flat(queries.far[row.tokens]), context=row.context, window=row.window,
+                                   near_origin=near_origin)
     return native.prefill_attention(
-        query=query, query_scale=queries.scale[row.tokens], near=flat(queries.near[row.tokens]),
-        far=flat(queries.far[row.tokens]), near_keys_t=near_keys, far_keys_t=far_keys,
-        values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),
-        context=row.context, window=row.window, near_origin=near_origin, scale=scale)
+        inputs, query=query, near_keys=near_keys, far_keys=far_keys,
+        values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len), scale=scale)
 
 
 def prefill(near_query: torch.Tensor, far_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -203,13 +201,7 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
     :func:`decode_torch`."""
     if not (use_kernel and kv_cache.dtype == torch.float32 and native.kernels() is not None):
         return decode_torch(query, kv_cache, plan, queries, scale=scale)
-    tables = plan.kernel_tables
-    return native.decode_attention(
-        query=query, query_scale=plan.queries.scale, query_cos=plan.queries.rotation.cos,
-        query_sin=plan.queries.rotation.sin, kv_cache=kv_cache, block_ids=plan.block_ids,
-        seq_lens=plan.seq_lens, window=plan.window, band_start=plan.band_start, near_cos=tables.near.cos,
-        near_sin=tables.near.sin, far_steps=tables.far_steps, far_offsets=tables.far_offsets,
-        far_table=tables.far_table, step=DECODE_FAR_STEP, scale=scale)
+    return native.decode_attention(plan.kernel_inputs, query=query, kv_cache=kv_cache, scale=scale)
 
 
 def decode_torch(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,

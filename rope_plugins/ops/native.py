@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rope_plugins.attention.planner import Rotation
+from rope_plugins.attention.planner import DECODE_FAR_STEP, KEY_TILE, Rotation
 
 logger = logging.getLogger(__name__)
 
@@ -55,31 +55,49 @@ def kernels():
     from torch.utils.cpp_extension import load
 
     try:
-        return load(name=f"rope_plugins_kernels_{MARCH.replace('-', '_')}", sources=[str(s) for s in SOURCES],
-                    extra_cflags=CFLAGS,
-                    extra_ldflags=LDFLAGS, verbose=False)
+        module = load(name=f"rope_plugins_kernels_{MARCH.replace('-', '_')}", sources=[str(s) for s in SOURCES],
+                      extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
     except Exception as error:
         raise KernelBuildError(f"the C++ decode kernel failed to build with {compiler()}: {error}") from error
+    if module.KEY_TILE != KEY_TILE or module.DECODE_CHUNK % DECODE_FAR_STEP:
+        raise KernelBuildError(f"csrc/attention_inputs.h's tiles (KEY_TILE {module.KEY_TILE}, DECODE_CHUNK "
+                               f"{module.DECODE_CHUNK}) disagree with the planner's (KEY_TILE {KEY_TILE}, "
+                               f"DECODE_FAR_STEP {DECODE_FAR_STEP})")
+    return module
 
 
-def decode_attention(*, query: torch.Tensor, query_scale: torch.Tensor, query_cos: torch.Tensor,
-                     query_sin: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_lens: torch.Tensor,
-                     window: torch.Tensor, band_start: torch.Tensor, near_cos: torch.Tensor, near_sin: torch.Tensor,
-                     far_steps: Rotation, far_offsets: Rotation, far_table: torch.Tensor, step: int,
-                     scale: float) -> torch.Tensor:
-    """Single-pass decode of ``R`` rows over the paged cache, float32.
+def packed(inputs, **fields):
+    """``inputs`` (a struct of csrc/attention_inputs.h) with ``fields`` set, tensors made contiguous
+    (a name the struct does not have is an error)."""
+    for name, value in fields.items():
+        setattr(inputs, name, value.contiguous() if isinstance(value, torch.Tensor) else value)
+    return inputs
 
-    query ``[R, H, d]`` unrotated and unscaled; query_scale ``[R]``; query_cos / sin ``[R, 2, d/2]``
-    (the near angle ``m θ`` and the far angle ``(w + (m - w) ρ) θ``); kv_cache
-    ``[blocks, kv, bs, 2d]``; block_ids ``[R, nb]``; seq_lens, window, band_start ``[R]`` int64;
-    near_cos / sin ``[R, W, d/2]`` for the band keys from ``band_start`` (empty without a band);
-    the far keys' angles ``n ω`` (one rule per distinct setting) as ``far_steps`` ``[U, S / step, d/2]``
-    (``n = s * step``) and ``far_offsets`` ``[U, step, d/2]`` (``n = o``), with far_table ``[R]``
-    (-1: the row reads old keys raw); ``step`` divides the kernel's 512-key chunk. Returns ``[R, H, d]``.
+
+def decode_inputs(*, query_scale: torch.Tensor, query_rotation: Rotation, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, window: torch.Tensor, band_start: torch.Tensor, near: Rotation,
+                  far_steps: Rotation, far_offsets: Rotation, far_table: torch.Tensor):
+    """The decode rows of one step as the C++ decode reads them (``DecodeInputs``), packed once for every layer.
+
+    query_scale ``[R]``; query_rotation ``[R, 2, d/2]`` (the near angle ``m θ`` and the far angle
+    ``(w + (m - w) ρ) θ``); block_table ``[R, nb]``; seq_lens, window, band_start ``[R]``; near
+    ``[R, W, d/2]`` for the band keys from ``band_start`` (empty without a band); the far keys'
+    angles ``n ω`` (one rule per distinct setting) as ``far_steps`` ``[U, S / step, d/2]``
+    (``n = s * step``) and ``far_offsets`` ``[U, step, d/2]`` (``n = o``; the step divides the
+    kernel's ``DECODE_CHUNK``), with far_table ``[R]`` (-1: the row reads old keys raw).
     """
-    return kernels().decode_attention(query, query_scale, query_cos, query_sin, kv_cache, block_ids, seq_lens,
-                                      window, band_start, near_cos, near_sin, far_steps.cos, far_steps.sin,
-                                      far_offsets.cos, far_offsets.sin, far_table, step, scale)
+    index = lambda tensor: tensor.to(torch.int64)  # noqa: E731
+    return packed(kernels().DecodeInputs(), query_scale=query_scale.float(), query_cos=query_rotation.cos,
+                  query_sin=query_rotation.sin, block_table=index(block_table), seq_lens=index(seq_lens),
+                  window=index(window), band_start=index(band_start), near_cos=near.cos, near_sin=near.sin,
+                  far_step_cos=far_steps.cos, far_step_sin=far_steps.sin, far_offset_cos=far_offsets.cos,
+                  far_offset_sin=far_offsets.sin, far_table=index(far_table))
+
+
+def decode_attention(inputs, *, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Single-pass decode of the rows of ``inputs`` (:func:`decode_inputs`) over the paged cache,
+    float32: query ``[R, H, d]`` unrotated and unscaled, kv_cache ``[blocks, kv, bs, 2d]``. Returns ``[R, H, d]``."""
+    return kernels().decode_attention(inputs, query, kv_cache, scale)
 
 
 def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -91,8 +109,8 @@ def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 def cache_key_tiles(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, first: int, count: int,
                     rotation: Rotation | None, origin: int, tiles: int) -> torch.Tensor:
     """Keys at positions ``first .. first + count - 1`` of the sequence in blocks ``block_ids``,
-    turned by ``rotation`` (``[count, d/2]``; None: raw), as tiles ``[kv, tiles, d, 32]``: key
-    ``n`` at column ``(n - origin) % 32`` of tile ``(n - origin) // 32``, zero elsewhere. float32."""
+    turned by ``rotation`` (``[count, d/2]``; None: raw), as tiles ``[kv, tiles, d, KEY_TILE]``: key
+    ``n`` at column ``(n - origin) % KEY_TILE`` of tile ``(n - origin) // KEY_TILE``, zero elsewhere. float32."""
     empty = kv_cache.new_empty(0)
     cos, sin = (rotation.cos, rotation.sin) if rotation is not None else (empty, empty)
     return kernels().cache_key_tiles(kv_cache, block_ids, first, count, cos, sin, origin, tiles)
@@ -103,20 +121,27 @@ def cache_values(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: in
     return kernels().cache_values(kv_cache, block_ids, seq_len)
 
 
-def prefill_attention(*, query: torch.Tensor, query_scale: torch.Tensor, near: Rotation, far: Rotation,
-                      near_keys_t: torch.Tensor, far_keys_t: torch.Tensor, values: torch.Tensor, context: int,
-                      window: int, near_origin: int, scale: float) -> torch.Tensor:
-    """One-pass prefill of one request's chunk of ``L`` queries at ``context .. context + L - 1``, float32.
+def prefill_inputs(*, query_scale: torch.Tensor, near: Rotation, far: Rotation, context: int, window: int,
+                   near_origin: int):
+    """One prefill row's chunk of ``L`` queries at ``context .. context + L - 1`` as the C++
+    prefill reads it (``PrefillInputs``): query_scale ``[L]``, each query's near and far angle
+    ``[L, d/2]``, and ``near_origin``, the first near key tile's position (a multiple of
+    ``KEY_TILE`` at or before the first key any near query sees)."""
+    return packed(kernels().PrefillInputs(), query_scale=query_scale.float(), near_cos=near.cos, near_sin=near.sin,
+                  far_cos=far.cos, far_sin=far.sin, context=context, window=window, near_origin=near_origin)
 
-    query ``[L, H, d]`` unrotated and unscaled (the kernel scales each by ``query_scale`` ``[L]``
-    and the softmax ``scale``, and turns it by ``near`` and ``far``, ``[L, d/2]`` each, as it
-    reads it); near_keys_t ``[kv, tiles, d, 32]``: keys at ``n θ`` in tiles of 32 from
-    position ``near_origin`` (a multiple of 32 at or before the first key any near query sees);
-    far_keys_t ``[kv, tiles, d, 32]`` from position 0 at their far angle (raw under ReRoPE), both
-    zero past the sequence's end; values ``[kv, seq_len, d]``. Returns ``[L, H, d]``.
+
+def prefill_attention(inputs, *, query: torch.Tensor, near_keys: torch.Tensor, far_keys: torch.Tensor,
+                      values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One-pass prefill of the row of ``inputs`` (:func:`prefill_inputs`), float32.
+
+    query ``[L, H, d]`` unrotated and unscaled (the kernel scales each query by its factor and the
+    softmax ``scale`` and turns it to its near and far angle as it reads it); near_keys ``[kv, tiles,
+    d, KEY_TILE]``: keys at ``n θ`` from ``near_origin``; far_keys ``[kv, tiles, d, KEY_TILE]`` from
+    position 0 at their far angle (raw under ReRoPE), both zero past the sequence's end
+    (:func:`cache_key_tiles`); values ``[kv, seq_len, d]``. Returns ``[L, H, d]``.
     """
-    return kernels().prefill_attention(query, query_scale, near.cos, near.sin, far.cos, far.sin, near_keys_t,
-                                       far_keys_t, values, context, window, near_origin, scale)
+    return kernels().prefill_attention(inputs, query, near_keys, far_keys, values, scale)
 
 
 if __name__ == "__main__":

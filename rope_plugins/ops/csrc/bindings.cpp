@@ -1,30 +1,40 @@
-// The C++ kernels as one extension module (rope_plugins/ops/native.py builds and loads it).
-#include <torch/extension.h>
+// The C++ kernels as one extension module (rope_plugins/ops/native.py builds and loads it): the
+// entry points and input structs of attention_inputs.h, and the constants Python checks against.
+#include "attention_inputs.h"
 
-torch::Tensor decode_attention(
-    const torch::Tensor& query, const torch::Tensor& query_scale, const torch::Tensor& query_cos,
-    const torch::Tensor& query_sin, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
-    const torch::Tensor& seq_lens, const torch::Tensor& window, const torch::Tensor& band_start,
-    const torch::Tensor& near_cos, const torch::Tensor& near_sin, const torch::Tensor& far_step_cos,
-    const torch::Tensor& far_step_sin, const torch::Tensor& far_offset_cos, const torch::Tensor& far_offset_sin,
-    const torch::Tensor& far_table, int64_t step, double scale);
-
-torch::Tensor prefill_attention(const torch::Tensor& query, const torch::Tensor& query_scale,
-                                const torch::Tensor& near_cos, const torch::Tensor& near_sin,
-                                const torch::Tensor& far_cos, const torch::Tensor& far_sin,
-                                const torch::Tensor& near_keys_t, const torch::Tensor& far_keys_t,
-                                const torch::Tensor& values, int64_t context, int64_t window, int64_t near_origin,
-                                double scale);
-
-void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                 const torch::Tensor& slots);
-
-torch::Tensor cache_key_tiles(const torch::Tensor& kv_cache, const torch::Tensor& block_ids, int64_t first,
-                              int64_t count, const torch::Tensor& cos, const torch::Tensor& sin, int64_t origin,
-                              int64_t tiles);
-torch::Tensor cache_values(const torch::Tensor& kv_cache, const torch::Tensor& block_ids, int64_t seq_len);
+namespace py = pybind11;
+using rope_kernels::DecodeInputs;
+using rope_kernels::PrefillInputs;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("KEY_TILE") = rope_kernels::kKeyTile;
+  m.attr("DECODE_CHUNK") = rope_kernels::kDecodeChunk;
+  py::class_<DecodeInputs>(m, "DecodeInputs")
+      .def(py::init<>())
+      .def_readwrite("query_scale", &DecodeInputs::query_scale)
+      .def_readwrite("query_cos", &DecodeInputs::query_cos)
+      .def_readwrite("query_sin", &DecodeInputs::query_sin)
+      .def_readwrite("block_table", &DecodeInputs::block_table)
+      .def_readwrite("seq_lens", &DecodeInputs::seq_lens)
+      .def_readwrite("window", &DecodeInputs::window)
+      .def_readwrite("band_start", &DecodeInputs::band_start)
+      .def_readwrite("near_cos", &DecodeInputs::near_cos)
+      .def_readwrite("near_sin", &DecodeInputs::near_sin)
+      .def_readwrite("far_step_cos", &DecodeInputs::far_step_cos)
+      .def_readwrite("far_step_sin", &DecodeInputs::far_step_sin)
+      .def_readwrite("far_offset_cos", &DecodeInputs::far_offset_cos)
+      .def_readwrite("far_offset_sin", &DecodeInputs::far_offset_sin)
+      .def_readwrite("far_table", &DecodeInputs::far_table);
+  py::class_<PrefillInputs>(m, "PrefillInputs")
+      .def(py::init<>())
+      .def_readwrite("query_scale", &PrefillInputs::query_scale)
+      .def_readwrite("near_cos", &PrefillInputs::near_cos)
+      .def_readwrite("near_sin", &PrefillInputs::near_sin)
+      .def_readwrite("far_cos", &PrefillInputs::far_cos)
+      .def_readwrite("far_sin", &PrefillInputs::far_sin)
+      .def_readwrite("context", &PrefillInputs::context)
+      .def_readwrite("window", &PrefillInputs::window)
+      .def_readwrite("near_origin", &PrefillInputs::near_origin);
   m.def("decode_attention", &decode_attention, "single-pass decode attention on the pre-rotation paged cache");
   m.def("write_cache", &write_cache, "the step's unrotated keys and values into their cache slots");
   m.def("cache_key_tiles", &cache_key_tiles, "one sequence's keys from the paged cache as turned key tiles");

@@ -1,13 +1,16 @@
 // One sequence's keys and values read out of the paged cache in the layouts the prefill kernel
 // wants, in one pass each (instead of a gather, a rotation and a transposing copy in PyTorch).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
+
+#include "attention_inputs.h"
+#include "vector_math.h"
 
 namespace {
 
-constexpr int64_t kTile = 32;  // keys per tile (csrc/prefill_attention.cpp's kColumns)
+constexpr int64_t kTile = rope_kernels::kKeyTile;
 
 inline const float* cache_row(const float* cache, const torch::Tensor& kv_cache, const int64_t* blocks, int64_t n,
                               int64_t h) {
@@ -38,23 +41,19 @@ torch::Tensor cache_key_tiles(const torch::Tensor& kv_cache, const torch::Tensor
   float* out_p = out.data_ptr<float>();
   const int64_t first_tile = (first - origin) / kTile, last_tile = (first + count - 1 - origin) / kTile;
   at::parallel_for(0, kv_heads * (last_tile - first_tile + 1), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item % kv_heads, tile = first_tile + item / kv_heads;
       const int64_t from = std::max(first, origin + tile * kTile), to = std::min(first + count, origin + (tile + 1) * kTile);
       float* tile_p = out_p + (h * tiles + tile) * d * kTile;
       for (int64_t n = from; n < to; ++n) {
         const float* key = cache_row(cache, kv_cache, blocks_p, n, h);
-        const int64_t column = (n - origin) % kTile;
         if (turn) {
-          const float* c = cos_p + (n - first) * half;
-          const float* s = sin_p + (n - first) * half;
-          for (int64_t i = 0; i < half; ++i) {
-            tile_p[i * kTile + column] = key[i] * c[i] - key[i + half] * s[i];
-            tile_p[(i + half) * kTile + column] = key[i + half] * c[i] + key[i] * s[i];
-          }
-        } else {
-          for (int64_t i = 0; i < d; ++i) tile_p[i * kTile + column] = key[i];
+          rope_kernels::rotate(key, cos_p + (n - first) * half, sin_p + (n - first) * half, rotated.data(), half);
+          key = rotated.data();
         }
+        const int64_t column = (n - origin) % kTile;
+        for (int64_t i = 0; i < d; ++i) tile_p[i * kTile + column] = key[i];
       }
     }
   });

@@ -10,251 +10,294 @@
 // Far angles without a table as large as the cache: with n = s * step + o,
 // q . R(n omega) k = (R(-s step omega) q) . (R(o omega) k), so the query is turned once per
 // `step` keys and each key by a small table of offsets that stays in the L1 cache.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <limits>
 #include <vector>
 
+#include "attention_inputs.h"
 #include "vector_math.h"
 
 namespace {
 
-using rope_kernels::exp_nonpositive;
-using rope_kernels::exponentiate;
-using rope_kernels::max_of;
+using rope_kernels::DecodeInputs;
+using rope_kernels::dot;
+using rope_kernels::kDecodeChunk;
+using rope_kernels::rotate;
 
-constexpr int64_t kChunk = 512;    // keys per work item
 constexpr int64_t kPrefetch = 16;  // keys ahead whose key and value rows are fetched while scoring
 constexpr int64_t kCacheLine = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// out = R(angle) x for the pairs (i, i + half); sign -1 turns by the negative angle
-template <int64_t half>
-inline void rotate(const float* __restrict x, const float* __restrict cos, const float* __restrict sin,
-                   float* __restrict out, float sign = 1.f) {
+// One layer's call as raw pointers. Work item (row r, chunk c, kv head h) writes its partial
+// softmax at ((r * kv_heads + h) * chunks + c) * queries_per_kv.
+struct DecodeView {
+  const float *query, *query_scale, *query_cos, *query_sin;
+  const float* cache;
+  int64_t cache_s0, cache_s1, cache_s2, block_size;
+  const int64_t *block_table, *seq_lens, *window, *band_start, *far_table;
+  int64_t table_stride;
+  const float *near_cos, *near_sin, *far_step_cos, *far_step_sin, *far_offset_cos, *far_offset_sin;
+  int64_t band_width, far_steps, step;
+  int64_t heads, kv_heads, queries_per_kv, chunks;
+  float scale;
+  float *partial_max, *partial_sum, *partial_out, *out;
+};
+
+// A work item's buffers, one set per thread.
+struct DecodeScratch {
+  std::vector<float> rotated, scores, near_q, far_q, far_q_step;
+  std::vector<const float*> row_of;  // each key's cache row (its value follows at + d)
+  DecodeScratch(int64_t d, int64_t queries_per_kv)
+      : rotated(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
+        far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), row_of(kDecodeChunk) {}
+};
+
+// One work item: its row, kv head and keys first .. last - 1.
+struct DecodeItem {
+  int64_t r, h, chunk, first, last, partial;
+};
+
+const float* data_or_null(const torch::Tensor& table) { return table.numel() ? table.data_ptr<float>() : nullptr; }
+
+int64_t longest_row(const DecodeInputs& rows) {
+  const int64_t* lengths = rows.seq_lens.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows.seq_lens.numel(); ++r) longest = std::max(longest, lengths[r]);
+  return longest;
+}
+
+void check_inputs(const DecodeInputs& rows, const torch::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32, "decode_attention: float32 only");
+  TORCH_CHECK(kv_cache.stride(3) == 1, "decode_attention: the cache's last dim must be contiguous");
+  for (const auto* tensor : {&rows.query_scale, &rows.query_cos, &rows.query_sin, &rows.block_table, &rows.seq_lens,
+                             &rows.window, &rows.band_start, &rows.near_cos, &rows.near_sin, &rows.far_step_cos,
+                             &rows.far_step_sin, &rows.far_offset_cos, &rows.far_offset_sin, &rows.far_table})
+    TORCH_CHECK(tensor->is_contiguous(), "decode_attention: the row inputs must be contiguous");
+  const int64_t step = rows.far_offset_cos.numel() ? rows.far_offset_cos.size(1) : 1;
+  TORCH_CHECK(kDecodeChunk % step == 0, "decode_attention: the far step must divide ", kDecodeChunk);
+}
+
+DecodeView decode_view(const DecodeInputs& rows, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                       double scale, int64_t chunks, torch::Tensor* partials, torch::Tensor& output) {
+  DecodeView view;
+  view.query = query.data_ptr<float>();
+  view.query_scale = rows.query_scale.data_ptr<float>();
+  view.query_cos = rows.query_cos.data_ptr<float>();
+  view.query_sin = rows.query_sin.data_ptr<float>();
+  view.cache = kv_cache.data_ptr<float>();
+  view.cache_s0 = kv_cache.stride(0), view.cache_s1 = kv_cache.stride(1), view.cache_s2 = kv_cache.stride(2);
+  view.block_size = kv_cache.size(2);
+  view.block_table = rows.block_table.data_ptr<int64_t>();
+  view.table_stride = rows.block_table.size(1);
+  view.seq_lens = rows.seq_lens.data_ptr<int64_t>();
+  view.window = rows.window.data_ptr<int64_t>();
+  view.band_start = rows.band_start.data_ptr<int64_t>();
+  view.far_table = rows.far_table.data_ptr<int64_t>();
+  view.near_cos = data_or_null(rows.near_cos), view.near_sin = data_or_null(rows.near_sin);
+  view.band_width = rows.near_cos.numel() ? rows.near_cos.size(1) : 0;
+  view.far_step_cos = data_or_null(rows.far_step_cos), view.far_step_sin = data_or_null(rows.far_step_sin);
+  view.far_offset_cos = data_or_null(rows.far_offset_cos), view.far_offset_sin = data_or_null(rows.far_offset_sin);
+  view.far_steps = rows.far_step_cos.numel() ? rows.far_step_cos.size(1) : 0;
+  view.step = rows.far_offset_cos.numel() ? rows.far_offset_cos.size(1) : 1;
+  view.heads = query.size(1), view.kv_heads = kv_cache.size(1), view.queries_per_kv = view.heads / view.kv_heads;
+  view.chunks = chunks;
+  view.scale = static_cast<float>(scale);
+  view.partial_max = partials[0].data_ptr<float>(), view.partial_sum = partials[1].data_ptr<float>();
+  view.partial_out = partials[2].data_ptr<float>(), view.out = output.data_ptr<float>();
+  return view;
+}
+
+// kv heads vary fastest, so the heads of one chunk share its rotation-table rows in cache
+DecodeItem work_item(const DecodeView& view, int64_t item) {
+  const int64_t h = item % view.kv_heads, chunk = (item / view.kv_heads) % view.chunks;
+  const int64_t r = item / (view.chunks * view.kv_heads), first = chunk * kDecodeChunk;
+  const int64_t last = std::min(first + kDecodeChunk, view.seq_lens[r]);
+  return {r, h, chunk, first, last, ((r * view.kv_heads + h) * view.chunks + chunk) * view.queries_per_kv};
+}
+
+// the row's queries of kv head h, scaled (softmax scale included) and turned to their near and far angle
+template <int64_t d>
+void turn_queries(const DecodeView& view, const DecodeItem& item, DecodeScratch& scratch) {
+  constexpr int64_t half = d / 2;
+  const int64_t r = item.r;
+  const float factor = view.query_scale[r] * view.scale;
+  for (int64_t g = 0; g < view.queries_per_kv; ++g) {
+    const float* raw = view.query + (r * view.heads + item.h * view.queries_per_kv + g) * d;
+    rotate(raw, view.query_cos + r * 2 * half, view.query_sin + r * 2 * half, scratch.near_q.data() + g * d, half,
+           factor);
+    rotate(raw, view.query_cos + (r * 2 + 1) * half, view.query_sin + (r * 2 + 1) * half,
+           scratch.far_q.data() + g * d, half, factor);
+  }
+}
+
+// the rows of the item's keys, block by block (one division per block, not per key)
+void find_rows(const DecodeView& view, const DecodeItem& item, DecodeScratch& scratch) {
+  for (int64_t n = item.first; n < item.last;) {
+    const int64_t block = n / view.block_size, slot = n % view.block_size;
+    const int64_t run = std::min(view.block_size - slot, item.last - n);
+    const float* row = view.cache + view.block_table[item.r * view.table_stride + block] * view.cache_s0 +
+                       item.h * view.cache_s1 + slot * view.cache_s2;
+    for (int64_t i = 0; i < run; ++i, ++n, row += view.cache_s2) scratch.row_of[n - item.first] = row;
+  }
+}
+
+// keys and values interleave (other heads' rows too, by layout): on that stride the hardware
+// prefetcher alone leaves the loop waiting, so each row is asked for ahead
+template <int64_t d>
+inline void prefetch(const DecodeScratch& scratch, int64_t j, int64_t keys) {
+  if (j + kPrefetch < keys) {
+    const char* ahead = reinterpret_cast<const char*>(scratch.row_of[j + kPrefetch]);
+    for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(float)); byte += kCacheLine) __builtin_prefetch(ahead + byte, 0, 3);
+  }
+}
+
+// keys j < near_from under ReRoPE's far rule: the far query against the raw keys
+template <int64_t d>
+void score_raw(const DecodeView& view, int64_t near_from, int64_t keys, DecodeScratch& scratch) {
+  for (int64_t j = 0; j < near_from; ++j) {
+    prefetch<d>(scratch, j, keys);
+    for (int64_t g = 0; g < view.queries_per_kv; ++g)
+      scratch.scores[g * kDecodeChunk + j] = dot(scratch.far_q.data() + g * d, scratch.row_of[j], d);
+  }
+}
+
+// keys j < near_from at their far angle: the query turned back once per step, each key by its offset
+template <int64_t d>
+void score_far(const DecodeView& view, const DecodeItem& item, int64_t near_from, int64_t keys,
+               DecodeScratch& scratch) {
+  constexpr int64_t half = d / 2;
+  const int64_t rule = view.far_table[item.r], step = view.step;
+  const float* offset_cos = view.far_offset_cos + rule * step * half;
+  const float* offset_sin = view.far_offset_sin + rule * step * half;
+  for (int64_t j = 0; j < near_from; ++j) {
+    prefetch<d>(scratch, j, keys);
+    const int64_t n = item.first + j, offset = n % step;
+    if (offset == 0 || j == 0) {  // a new step: turn the far query back by its angle
+      const int64_t at = (rule * view.far_steps + n / step) * half;
+      for (int64_t g = 0; g < view.queries_per_kv; ++g)
+        rotate(scratch.far_q.data() + g * d, view.far_step_cos + at, view.far_step_sin + at,
+               scratch.far_q_step.data() + g * d, half, 1.f, -1.f);
+    }
+    rotate(scratch.row_of[j], offset_cos + offset * half, offset_sin + offset * half, scratch.rotated.data(), half);
+    for (int64_t g = 0; g < view.queries_per_kv; ++g)
+      scratch.scores[g * kDecodeChunk + j] = dot(scratch.far_q_step.data() + g * d, scratch.rotated.data(), d);
+  }
+}
+
+// keys near_from .. keys - 1, inside the window: the near query against the keys at n theta
+template <int64_t d>
+void score_near(const DecodeView& view, const DecodeItem& item, int64_t near_from, int64_t keys,
+                DecodeScratch& scratch) {
+  constexpr int64_t half = d / 2;
+  const int64_t first_column = item.r * view.band_width + item.first - view.band_start[item.r];  // key j's at + j
+  for (int64_t j = near_from; j < keys; ++j) {
+    prefetch<d>(scratch, j, keys);
+    const int64_t at = (first_column + j) * half;
+    rotate(scratch.row_of[j], view.near_cos + at, view.near_sin + at, scratch.rotated.data(), half);
+    for (int64_t g = 0; g < view.queries_per_kv; ++g)
+      scratch.scores[g * kDecodeChunk + j] = dot(scratch.near_q.data() + g * d, scratch.rotated.data(), d);
+  }
+}
+
+// the item's softmax: its max and sum per query head, and P.V
+template <int64_t d>
+void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& scratch) {
+  const int64_t keys = item.last - item.first, partial = item.partial;
+  for (int64_t g = 0; g < view.queries_per_kv; ++g) {
+    view.partial_max[partial + g] = kNegInf, view.partial_sum[partial + g] = 0.f;
+    rope_kernels::softmax_step(scratch.scores.data() + g * kDecodeChunk, keys, view.partial_max[partial + g],
+                               view.partial_sum[partial + g]);
+  }
+  float* out = view.partial_out + partial * d;
+  std::fill(out, out + view.queries_per_kv * d, 0.f);
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* __restrict value = scratch.row_of[j] + d;
+    for (int64_t g = 0; g < view.queries_per_kv; ++g) {
+      const float p = scratch.scores[g * kDecodeChunk + j];
+      float* __restrict target = out + g * d;
 #pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float first = x[i], second = x[i + half], s = sign * sin[i];
-    out[i] = first * cos[i] - second * s;
-    out[i + half] = second * cos[i] + first * s;
+      for (int64_t i = 0; i < d; ++i) target[i] += p * value[i];
+    }
   }
 }
 
 template <int64_t d>
-inline float dot(const float* __restrict a, const float* __restrict b) {
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < d; ++i) total += a[i] * b[i];
-  return total;
+void attend_chunk(const DecodeView& view, int64_t index, DecodeScratch& scratch) {
+  const DecodeItem item = work_item(view, index);
+  if (item.first >= item.last) {  // past this row's end: contributes nothing to the merge
+    std::fill(view.partial_max + item.partial, view.partial_max + item.partial + view.queries_per_kv, kNegInf);
+    return;
+  }
+  turn_queries<d>(view, item, scratch);
+  find_rows(view, item, scratch);
+  const int64_t keys = item.last - item.first, m = view.seq_lens[item.r] - 1;
+  const int64_t near_from = std::clamp(m - view.window[item.r] + 1 - item.first, int64_t(0), keys);  // m - n < w
+  if (view.far_table[item.r] < 0)
+    score_raw<d>(view, near_from, keys, scratch);
+  else
+    score_far<d>(view, item, near_from, keys, scratch);
+  score_near<d>(view, item, near_from, keys, scratch);
+  sum_values<d>(view, item, scratch);
 }
 
-}  // namespace
+// softmax over all keys = sum_c exp(max_c - M) out_c / sum_c exp(max_c - M) sum_c, for row r's kv head h
+template <int64_t d>
+void merge_chunks(const DecodeView& view, int64_t item) {
+  const int64_t r = item / view.kv_heads, h = item % view.kv_heads, group = view.queries_per_kv;
+  const int64_t used = (view.seq_lens[r] + kDecodeChunk - 1) / kDecodeChunk;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* maxima = view.partial_max + item * view.chunks * group + g;  // chunk c at c * group
+    float overall = kNegInf;
+    for (int64_t c = 0; c < used; ++c) overall = std::max(overall, maxima[c * group]);
+    float* target = view.out + (r * view.heads + h * group + g) * d;
+    std::fill(target, target + d, 0.f);
+    float total = 0.f;
+    for (int64_t c = 0; c < used; ++c) {
+      const float weight = rope_kernels::exp_nonpositive(maxima[c * group] - overall);
+      total += weight * view.partial_sum[(item * view.chunks + c) * group + g];
+      const float* __restrict partial = view.partial_out + ((item * view.chunks + c) * group + g) * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) target[i] += weight * partial[i];
+    }
+    const float inverse = 1.f / total;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) target[i] *= inverse;
+  }
+}
 
 template <int64_t d>
-torch::Tensor decode_attention_dim(
-    const torch::Tensor& query,        // [R, H, d] unrotated, unscaled
-    const torch::Tensor& query_scale,  // [R] log-n x YaRN temperature
-    const torch::Tensor& query_cos,    // [R, 2, d/2]: angles m theta (near) and (w + (m - w) rho) theta (far)
-    const torch::Tensor& query_sin,
-    const torch::Tensor& kv_cache,     // [blocks, kv, bs, 2d] (any strides, last dim contiguous)
-    const torch::Tensor& block_table,  // [R, max_blocks] int
-    const torch::Tensor& seq_lens,     // [R] int64
-    const torch::Tensor& window,       // [R] int64
-    const torch::Tensor& band_start,   // [R] int64: first key position of the near tables
-    const torch::Tensor& near_cos,     // [R, W, d/2]
-    const torch::Tensor& near_sin,
-    const torch::Tensor& far_step_cos,    // [U, S / step, d/2]: angles s step omega, one table per far rule
-    const torch::Tensor& far_step_sin,
-    const torch::Tensor& far_offset_cos,  // [U, step, d/2]: angles o omega
-    const torch::Tensor& far_offset_sin,
-    const torch::Tensor& far_table,    // [R] int64: the row's far rule, -1 = old keys read raw
-    int64_t step, double scale) {
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32, "decode_attention: float32 only");
-  TORCH_CHECK(kv_cache.stride(3) == 1, "decode_attention: the cache's last dim must be contiguous");
-  TORCH_CHECK(step > 0 && kChunk % step == 0, "decode_attention: the far step must divide ", kChunk);
-  constexpr int64_t half = d / 2;
-  const int64_t rows = query.size(0), heads = query.size(1);
-  const int64_t kv_heads = kv_cache.size(1), block_size = kv_cache.size(2), group = heads / kv_heads;
-  const int64_t cache_s0 = kv_cache.stride(0), cache_s1 = kv_cache.stride(1), cache_s2 = kv_cache.stride(2);
-
-  auto q_all = query.contiguous();
-  auto qscale = query_scale.to(torch::kFloat32).contiguous();
-  auto qcos = query_cos.contiguous(), qsin = query_sin.contiguous();
-  auto table = block_table.to(torch::kInt64).contiguous();
-  auto lens = seq_lens.to(torch::kInt64).contiguous(), win = window.to(torch::kInt64).contiguous();
-  auto start = band_start.to(torch::kInt64).contiguous();
-  auto ncos = near_cos.contiguous(), nsin = near_sin.contiguous();
-  auto step_cos = far_step_cos.contiguous(), step_sin = far_step_sin.contiguous();
-  auto offset_cos = far_offset_cos.contiguous(), offset_sin = far_offset_sin.contiguous();
-  auto far_index = far_table.to(torch::kInt64).contiguous();
-  const int64_t band_width = ncos.numel() ? ncos.size(1) : 0;
-  const int64_t far_steps = step_cos.numel() ? step_cos.size(1) : 0;
-  const int64_t far_offsets = offset_cos.numel() ? offset_cos.size(1) : 0;
-
-  const int64_t* lens_p = lens.data_ptr<int64_t>();
-  int64_t max_len = 0;
-  for (int64_t r = 0; r < rows; ++r) max_len = std::max(max_len, lens_p[r]);
-  const int64_t chunks = (max_len + kChunk - 1) / kChunk;
-
+torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor& query,
+                                   const torch::Tensor& kv_cache, double scale) {
+  check_inputs(rows, kv_cache);
+  const auto contiguous_query = query.contiguous();
+  const int64_t count = query.size(0), heads = query.size(1), kv_heads = kv_cache.size(1);
+  const int64_t chunks = (longest_row(rows) + kDecodeChunk - 1) / kDecodeChunk, group = heads / kv_heads;
   // partial results per (row, kv head, chunk): max and sum per query head, and the output sum
-  auto partial_max = torch::empty({rows, kv_heads, chunks, group});
-  auto partial_sum = torch::empty({rows, kv_heads, chunks, group});
-  auto partial_out = torch::empty({rows, kv_heads, chunks, group, d});
-  auto output = torch::empty({rows, heads, d});
-
-  const float* cache = kv_cache.data_ptr<float>();
-  const float* q_p = q_all.data_ptr<float>();
-  const float* qscale_p = qscale.data_ptr<float>();
-  const float* qcos_p = qcos.data_ptr<float>();
-  const float* qsin_p = qsin.data_ptr<float>();
-  const int64_t* table_p = table.data_ptr<int64_t>();
-  const int64_t* win_p = win.data_ptr<int64_t>();
-  const int64_t* start_p = start.data_ptr<int64_t>();
-  const float* ncos_p = band_width ? ncos.data_ptr<float>() : nullptr;
-  const float* nsin_p = band_width ? nsin.data_ptr<float>() : nullptr;
-  const float* step_cos_p = far_steps ? step_cos.data_ptr<float>() : nullptr;
-  const float* step_sin_p = far_steps ? step_sin.data_ptr<float>() : nullptr;
-  const float* offset_cos_p = far_offsets ? offset_cos.data_ptr<float>() : nullptr;
-  const float* offset_sin_p = far_offsets ? offset_sin.data_ptr<float>() : nullptr;
-  const int64_t* far_index_p = far_index.data_ptr<int64_t>();
-  float* pmax = partial_max.data_ptr<float>();
-  float* psum = partial_sum.data_ptr<float>();
-  float* pout = partial_out.data_ptr<float>();
-  float* out = output.data_ptr<float>();
-  const int64_t table_stride = table.size(1);
-  const float fscale = static_cast<float>(scale);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-  // kv heads vary fastest, so the heads of one chunk share its rotation-table rows in cache
-  at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rotated(d), scores(group * kChunk), near_q(group * d), far_q(group * d), far_q_step(group * d),
-        scaled(d);
-    std::vector<const float*> row_of(kChunk);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item % kv_heads, chunk = (item / kv_heads) % chunks, r = item / (chunks * kv_heads);
-      const int64_t length = lens_p[r], first = chunk * kChunk, last = std::min(first + kChunk, length);
-      float* chunk_max = pmax + ((r * kv_heads + h) * chunks + chunk) * group;
-      float* chunk_sum = psum + ((r * kv_heads + h) * chunks + chunk) * group;
-      float* chunk_out = pout + ((r * kv_heads + h) * chunks + chunk) * group * d;
-      if (first >= last) {  // past this row's end: contributes nothing to the merge
-        std::fill(chunk_max, chunk_max + group, kNegInf);
-        continue;
-      }
-      const int64_t m = length - 1, row_window = win_p[r], rule = far_index_p[r];
-      // this row's queries of kv head h, scaled (softmax scale included) and turned to their near and far angle
-      for (int64_t g = 0; g < group; ++g) {
-        const float* raw = q_p + (r * heads + h * group + g) * d;
-        const float factor = qscale_p[r] * fscale;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) scaled[i] = raw[i] * factor;
-        rotate<half>(scaled.data(), qcos_p + r * 2 * half, qsin_p + r * 2 * half, near_q.data() + g * d);
-        rotate<half>(scaled.data(), qcos_p + (r * 2 + 1) * half, qsin_p + (r * 2 + 1) * half, far_q.data() + g * d);
-      }
-      // the rows of this chunk's keys, block by block (one division per block, not per key)
-      const int64_t keys = last - first;
-      for (int64_t n = first; n < last;) {
-        const int64_t block = n / block_size, slot = n % block_size, run = std::min(block_size - slot, last - n);
-        const float* row = cache + table_p[r * table_stride + block] * cache_s0 + h * cache_s1 + slot * cache_s2;
-        for (int64_t i = 0; i < run; ++i, ++n, row += cache_s2) row_of[n - first] = row;
-      }
-      // keys and values interleave (other heads' rows too, by layout): on that stride the
-      // hardware prefetcher alone leaves the loop waiting, so each row is asked for ahead
-      auto prefetch = [&](int64_t j) {
-        if (j + kPrefetch < keys) {
-          const char* ahead = reinterpret_cast<const char*>(row_of[j + kPrefetch]);
-          for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(float)); byte += kCacheLine)
-            __builtin_prefetch(ahead + byte, 0, 3);
-        }
-      };
-      const int64_t near_from = std::clamp(m - row_window + 1 - first, int64_t(0), keys);  // m - n < window
-      float* score_of = scores.data();
-      if (rule < 0) {  // old keys read raw
-        for (int64_t j = 0; j < near_from; ++j) {
-          prefetch(j);
-          for (int64_t g = 0; g < group; ++g) score_of[g * kChunk + j] = dot<d>(far_q.data() + g * d, row_of[j]);
-        }
-      } else {
-        for (int64_t j = 0; j < near_from; ++j) {
-          prefetch(j);
-          const int64_t n = first + j, offset = n % step;
-          if (offset == 0 || j == 0) {  // a new step: turn the far query back by its angle
-            const float* cos = step_cos_p + (rule * far_steps + n / step) * half;
-            const float* sin = step_sin_p + (rule * far_steps + n / step) * half;
-            for (int64_t g = 0; g < group; ++g) rotate<half>(far_q.data() + g * d, cos, sin, far_q_step.data() + g * d, -1.f);
-          }
-          rotate<half>(row_of[j], offset_cos_p + (rule * far_offsets + offset) * half,
-                       offset_sin_p + (rule * far_offsets + offset) * half, rotated.data());
-          for (int64_t g = 0; g < group; ++g) score_of[g * kChunk + j] = dot<d>(far_q_step.data() + g * d, rotated.data());
-        }
-      }
-      for (int64_t j = near_from; j < keys; ++j) {
-        prefetch(j);
-        const int64_t b = first + j - start_p[r];
-        rotate<half>(row_of[j], ncos_p + (r * band_width + b) * half, nsin_p + (r * band_width + b) * half, rotated.data());
-        for (int64_t g = 0; g < group; ++g) score_of[g * kChunk + j] = dot<d>(near_q.data() + g * d, rotated.data());
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* __restrict row_scores = scores.data() + g * kChunk;
-        const float maximum = max_of(row_scores, keys, kNegInf);
-        const float total = exponentiate(row_scores, keys, maximum);
-        chunk_max[g] = maximum;
-        chunk_sum[g] = total;
-      }
-      std::fill(chunk_out, chunk_out + group * d, 0.f);
-      for (int64_t j = 0; j < keys; ++j) {
-        const float* __restrict value = row_of[j] + d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * kChunk + j];
-          float* __restrict target = chunk_out + g * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) target[i] += p * value[i];
-        }
-      }
-    }
+  torch::Tensor partials[] = {torch::empty({count, kv_heads, chunks, group}),
+                              torch::empty({count, kv_heads, chunks, group}),
+                              torch::empty({count, kv_heads, chunks, group, d})};
+  auto output = torch::empty({count, heads, d});
+  const DecodeView view = decode_view(rows, contiguous_query, kv_cache, scale, chunks, partials, output);
+  at::parallel_for(0, count * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    DecodeScratch scratch(d, group);
+    for (int64_t item = begin; item < end; ++item) attend_chunk<d>(view, item, scratch);
   });
-
-  // merge the chunks: softmax over all keys = sum_c exp(max_c - M) out_c / sum_c exp(max_c - M) sum_c
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, h = item % kv_heads;
-      const int64_t used = (lens_p[r] + kChunk - 1) / kChunk;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* maxima = pmax + item * chunks * group + g;  // chunk c at c * group
-        float overall = kNegInf;
-        for (int64_t c = 0; c < used; ++c) overall = std::max(overall, maxima[c * group]);
-        float* target = out + (r * heads + h * group + g) * d;
-        std::fill(target, target + d, 0.f);
-        float total = 0.f;
-        for (int64_t c = 0; c < used; ++c) {
-          const float weight = exp_nonpositive(maxima[c * group] - overall);
-          total += weight * psum[(item * chunks + c) * group + g];
-          const float* __restrict partial = pout + ((item * chunks + c) * group + g) * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) target[i] += weight * partial[i];
-        }
-        const float inverse = 1.f / total;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) target[i] *= inverse;
-      }
-    }
+  at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) merge_chunks<d>(view, item);
   });
   return output;
 }
 
-torch::Tensor decode_attention(
-    const torch::Tensor& query, const torch::Tensor& query_scale, const torch::Tensor& query_cos,
-    const torch::Tensor& query_sin, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
-    const torch::Tensor& seq_lens, const torch::Tensor& window, const torch::Tensor& band_start,
-    const torch::Tensor& near_cos, const torch::Tensor& near_sin, const torch::Tensor& far_step_cos,
-    const torch::Tensor& far_step_sin, const torch::Tensor& far_offset_cos, const torch::Tensor& far_offset_sin,
-    const torch::Tensor& far_table, int64_t step, double scale) {
+}  // namespace
+
+torch::Tensor decode_attention(const DecodeInputs& rows, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                               double scale) {
   switch (query.size(2)) {
-#define ROPE_HEAD_DIM(D)                                                                                          \
-  case D:                                                                                                         \
-    return decode_attention_dim<D>(query, query_scale, query_cos, query_sin, kv_cache, block_table, seq_lens,    \
-                                   window, band_start, near_cos, near_sin, far_step_cos, far_step_sin,           \
-                                   far_offset_cos, far_offset_sin, far_table, step, scale);
+#define ROPE_HEAD_DIM(D) \
+  case D:                \
+    return decode_attention_dim<D>(rows, query, kv_cache, scale);
     ROPE_HEAD_DIM(32) ROPE_HEAD_DIM(64) ROPE_HEAD_DIM(80) ROPE_HEAD_DIM(96) ROPE_HEAD_DIM(128) ROPE_HEAD_DIM(256)
 #undef ROPE_HEAD_DIM
     default:

@@ -1,4 +1,5 @@
-// Small vectorisable math shared by the C++ kernels.
+// The vectorisable math of the C++ kernels, each written once: exp, the rotation, the dot product
+// and the online-softmax step.
 #pragma once
 
 #include <algorithm>
@@ -52,6 +53,35 @@ inline float exponentiate(float* __restrict scores, int64_t count, float maximum
     total += p;
   }
   return total;
+}
+
+// out = factor R(sign angle) x for the pairs (i, i + half), angle given by its cos and sin.
+inline void rotate(const float* __restrict x, const float* __restrict cos, const float* __restrict sin,
+                   float* __restrict out, int64_t half, float factor = 1.f, float sign = 1.f) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float first = factor * x[i], second = factor * x[i + half], s = sign * sin[i];
+    out[i] = first * cos[i] - second * s;
+    out[i + half] = second * cos[i] + first * s;
+  }
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < d; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// One online-softmax step of a row over scores[0 .. count): they become exp(score - max) under
+// the row's new running max, and running_sum takes in their sum. Returns the factor by which
+// what the row has already summed must be rescaled (0 on its first step).
+inline float softmax_step(float* __restrict scores, int64_t count, float& running_max, float& running_sum) {
+  const float maximum = max_of(scores, count, running_max);
+  const float correction = exp_nonpositive(running_max - maximum);
+  running_sum = running_sum * correction + exponentiate(scores, count, maximum);
+  running_max = maximum;
+  return correction;
 }
 
 }  // namespace rope_kernels

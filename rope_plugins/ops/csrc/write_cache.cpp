@@ -1,8 +1,9 @@
 // The step's new keys (unrotated) and values into their slots of the paged cache, in one call.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+
+#include "attention_inputs.h"
 
 // key, value [T, kv, d]; kv_cache [blocks, kv, bs, 2d] (any strides, last dim contiguous);
 // slots [T] (block * bs + offset; negative: a padding token, skipped).

@@ -1,0 +1,72 @@
+// The contract between the Python planner and the C++ kernels: the shared constants, each
+// kernel's inputs as one struct (built once per step in rope_plugins/ops/native.py, as vLLM's
+// CPU attention packs its AttentionInput), and every entry point bindings.cpp exposes.
+//
+// Rows follow the planner's rule (rope_plugins/attention/planner.py): a query at position m
+// scores a key at n <= m as
+//   m - n < window : (R(m theta) q) . (R(n theta) k_n)       the near band, plain RoPE
+//   otherwise      : (R(far(m) theta) q) . (R(far(n) theta) k_n)  far angles (ReRoPE: far(n) = 0, keys raw)
+// with q scaled by its row's query factor (log-n x the method's factor) and the softmax scale.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace rope_kernels {
+
+// Keys per tile: the prefill's key tiles and its micro-kernel's columns. It is the Triton
+// kernels' tile too (planner.KEY_TILE; rope_plugins/ops/native.py checks they agree).
+constexpr int64_t kKeyTile = 32;
+// Keys per decode work item; the far step (far_offset tables' rows, planner.DECODE_FAR_STEP)
+// must divide it.
+constexpr int64_t kDecodeChunk = 512;
+
+// Every decode row of one step (one query each, at m = seq_len - 1): the same for every layer.
+struct DecodeInputs {
+  torch::Tensor query_scale;  // [R] float32: log-n x the method's factor
+  torch::Tensor query_cos;    // [R, 2, d/2] float32: the near angle m theta, then the far angle
+  torch::Tensor query_sin;
+  torch::Tensor block_table;  // [R, nb] int64
+  torch::Tensor seq_lens;     // [R] int64
+  torch::Tensor window;       // [R] int64
+  torch::Tensor band_start;   // [R] int64: the key position of near_cos' first column
+  torch::Tensor near_cos;     // [R, W, d/2]: the band keys' n theta (empty without a band)
+  torch::Tensor near_sin;
+  torch::Tensor far_step_cos;  // [U, S / step, d/2]: far angles of keys 0, step, 2 step, ... per far rule
+  torch::Tensor far_step_sin;
+  torch::Tensor far_offset_cos;  // [U, step, d/2]: far angles of keys 0 .. step - 1
+  torch::Tensor far_offset_sin;
+  torch::Tensor far_table;  // [R] int64: the row's far rule; -1: old keys read raw
+};
+
+// One prefill row's chunk of L queries at positions context .. context + L - 1: the same for every layer.
+struct PrefillInputs {
+  torch::Tensor query_scale;  // [L] float32: log-n x the method's factor
+  torch::Tensor near_cos;     // [L, d/2]: each query's near angle
+  torch::Tensor near_sin;
+  torch::Tensor far_cos;  // [L, d/2]: each query's far angle
+  torch::Tensor far_sin;
+  int64_t context = 0;      // tokens cached before the chunk
+  int64_t window = 0;       // 0: every key is far
+  int64_t near_origin = 0;  // near key tiles start here (a multiple of kKeyTile at or before the first near key)
+};
+
+}  // namespace rope_kernels
+
+// query [R, H, d] unrotated, unscaled; kv_cache [blocks, kv, bs, 2d] (last dim contiguous). Returns [R, H, d].
+torch::Tensor decode_attention(const rope_kernels::DecodeInputs& rows, const torch::Tensor& query,
+                               const torch::Tensor& kv_cache, double scale);
+
+// query [L, H, d] unrotated, unscaled (any token and head strides); near_keys / far_keys
+// [kv, tiles, d, kKeyTile] (cache_key_tiles); values [kv, >= seq_len, d]. Returns [L, H, d].
+torch::Tensor prefill_attention(const rope_kernels::PrefillInputs& row, const torch::Tensor& query,
+                                const torch::Tensor& near_keys, const torch::Tensor& far_keys,
+                                const torch::Tensor& values, double scale);
+
+void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                 const torch::Tensor& slots);
+
+torch::Tensor cache_key_tiles(const torch::Tensor& kv_cache, const torch::Tensor& block_ids, int64_t first,
+                              int64_t count, const torch::Tensor& cos, const torch::Tensor& sin, int64_t origin,
+                              int64_t tiles);
+
+torch::Tensor cache_values(const torch::Tensor& kv_cache, const torch::Tensor& block_ids, int64_t seq_len);
