@@ -423,70 +423,29 @@ def plot(summary: dict, path: Path) -> None:
 
     rows = sorted(summary["rows"], key=lambda r: label_order(r["label"]))
     main = [r for r in rows if not is_ablation(r)]
-    ablation_length = min((r["length"] for r in rows if is_ablation(r) and not is_candidate(r["settings"])), default=None)
+    ablation_length = min((r["length"] for r in rows if is_ablation(r) and not is_candidate(r["settings"])),
+                          default=None)
     compared = ablation_rows(rows, ablation_length)
     panels = [(key, title) for key, title in PANELS if any(r.get(key) is not None for r in main)]
     lengths = sorted({r["length"] for r in main})
     lines = len(lengths) > 1
-    count = len(panels) + bool(compared) + lines  # + the legend's panel
-    columns = min(count, 3)
-    heights = [PANEL_HEIGHT] * math.ceil(count / columns)
-    passkey_panel = next((i for i, (key, _) in enumerate(panels) if key == "passkey"), None)
-    if lines and passkey_panel is not None:  # the grid's row grows so each method's label has room
-        heights[passkey_panel // columns] = max(PANEL_HEIGHT, 0.2 * len(passkey_labels(main)) + 1.6)
-    figure, axes = plt.subplots(len(heights), columns, figsize=(5.5 * columns, sum(heights)), squeeze=False,
-                                gridspec_kw={"height_ratios": heights})
-    axes = list(axes.flat)
+    figure, axes = panel_grid(plt, panels, main, lines, bool(compared))
     colours = dict(zip(METHODS, plt.cm.tab20.colors[0::2] + plt.cm.tab20.colors[1::2]))
-
-    def bars(axis, shown, key, names):
-        drawn = axis.bar(range(len(shown)), [r[key] for r in shown], color=[colours[method_of(r["label"])] for r in shown])
-        axis.bar_label(drawn, fmt="%.3f", fontsize=7, rotation=90, padding=2)  # neighbours differ in the second decimal
-        axis.set_xticks(range(len(shown)), names, rotation=40, ha="right", fontsize=8)
-
     for axis, (key, title) in zip(axes, panels):
         if not lines:
             shown = [r for r in main if r.get(key) is not None]
-            bars(axis, shown, key, [r["label"] for r in shown])
+            draw_bars(axis, shown, key, [r["label"] for r in shown], colours)
             axis.set_title(f"{title}, {lengths[0]:,} tokens")
         elif key == "passkey":
             passkey_grid(axis, main, lengths)
             axis.set_title(title)
             continue
         else:
-            top = off_scale_limit([r[key] for r in main if r.get(key) is not None]) if key == "nll" else math.inf
-            off_scale: dict[int, dict[str, str]] = {}  # length -> value written -> method (once per value)
-            for name in dict.fromkeys(r["label"] for r in main):
-                points = sorted((r["length"], r[key]) for r in main if r["label"] == name and r.get(key) is not None)
-                if not points:
-                    continue
-                axis.plot(*zip(*[(n, min(v, top)) for n, v in points]), marker="o", color=colours[method_of(name)],
-                          label=name, linestyle=line_style(name))
-                for n, v in points:
-                    if v > top:  # drawn at the edge, the values listed under it
-                        off_scale.setdefault(n, {}).setdefault(f"{v:.2f}", method_of(name))
-            for n, values in off_scale.items():
-                axis.annotate("\n".join(f"{method} {v}" for v, method in values.items()), (n, top), ha="center", va="top",
-                              textcoords="offset points", xytext=(0, -8), fontsize=7)
-            if top < math.inf:
-                axis.set_ylim(top=top * 1.01)
-                axis.set_title(f"{title}\n(values above {top:.2f} at the top edge)", fontsize=10)
-            else:
-                axis.set_title(title)
-            axis.axvline(TRAIN_LENGTH, color="grey", linestyle=":")
-            axis.set_xscale("log", base=2)
-            axis.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
-            axis.set_xlabel("context tokens (dotted: training length)")
+            draw_lines(axis, main, key, title, lengths, colours)
         axis.grid(alpha=0.3)
     used = len(panels)
     if compared:
-        axis = axes[used]
-        bars(axis, compared, "nll", [r["label"] if is_ablation(r) else ablation_default(r["label"]) + " (default)"
-                                     for r in compared])
-        bottom = math.floor(min(r["nll"] for r in compared) * 10) / 10 - 0.1  # from 0, differences of 0.01 vanish
-        axis.set_ylim(bottom=bottom, top=max(r["nll"] for r in compared) + 0.1)
-        axis.set_title(f"ablations: loss at {ablation_length:,} tokens (axis from {bottom:.1f})")
-        axis.grid(alpha=0.3)
+        draw_ablations(axes[used], compared, ablation_length, colours)
         used += 1
     if lines:
         handles, names = axes[0].get_legend_handles_labels()
@@ -497,6 +456,65 @@ def plot(summary: dict, path: Path) -> None:
     figure.suptitle("SmolLM2-135M-Instruct (trained at 8,192 tokens): methods past the training length")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
+
+
+def panel_grid(plt, panels: list[tuple[str, str]], main: list[dict], lines: bool, ablations: bool) -> tuple:
+    """The figure and its axes, row by row: the panels, the ablations' and the legend's (with
+    lines), up to three a row; the passkey grid's row as tall as its methods need."""
+    count = len(panels) + ablations + lines  # + the legend's panel
+    columns = min(count, 3)
+    heights = [PANEL_HEIGHT] * math.ceil(count / columns)
+    passkey_panel = next((i for i, (key, _) in enumerate(panels) if key == "passkey"), None)
+    if lines and passkey_panel is not None:  # the grid's row grows so each method's label has room
+        heights[passkey_panel // columns] = max(PANEL_HEIGHT, 0.2 * len(passkey_labels(main)) + 1.6)
+    figure, axes = plt.subplots(len(heights), columns, figsize=(5.5 * columns, sum(heights)), squeeze=False,
+                                gridspec_kw={"height_ratios": heights})
+    return figure, list(axes.flat)
+
+
+def draw_bars(axis, shown: list[dict], key: str, names: list[str], colours: dict) -> None:
+    drawn = axis.bar(range(len(shown)), [r[key] for r in shown],
+                     color=[colours[method_of(r["label"])] for r in shown])
+    axis.bar_label(drawn, fmt="%.3f", fontsize=7, rotation=90, padding=2)  # neighbours differ in the second decimal
+    axis.set_xticks(range(len(shown)), names, rotation=40, ha="right", fontsize=8)
+
+
+def draw_lines(axis, main: list[dict], key: str, title: str, lengths: list[int], colours: dict) -> None:
+    """``key`` over context length, a line per setting; a loss panel's top cut where the
+    collapsed methods would flatten the rest, their values written at the edge."""
+    top = off_scale_limit([r[key] for r in main if r.get(key) is not None]) if key == "nll" else math.inf
+    off_scale: dict[int, dict[str, str]] = {}  # length -> value written -> method (once per value)
+    for name in dict.fromkeys(r["label"] for r in main):
+        points = sorted((r["length"], r[key]) for r in main if r["label"] == name and r.get(key) is not None)
+        if not points:
+            continue
+        axis.plot(*zip(*[(n, min(v, top)) for n, v in points]), marker="o", color=colours[method_of(name)],
+                  label=name, linestyle=line_style(name))
+        for n, v in points:
+            if v > top:  # drawn at the edge, the values listed under it
+                off_scale.setdefault(n, {}).setdefault(f"{v:.2f}", method_of(name))
+    for n, values in off_scale.items():
+        axis.annotate("\n".join(f"{method} {v}" for v, method in values.items()), (n, top), ha="center",
+                      va="top", textcoords="offset points", xytext=(0, -8), fontsize=7)
+    if top < math.inf:
+        axis.set_ylim(top=top * 1.01)
+        axis.set_title(f"{title}\n(values above {top:.2f} at the top edge)", fontsize=10)
+    else:
+        axis.set_title(title)
+    axis.axvline(TRAIN_LENGTH, color="grey", linestyle=":")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+    axis.set_xlabel("context tokens (dotted: training length)")
+
+
+def draw_ablations(axis, compared: list[dict], length: int, colours: dict) -> None:
+    """The ablations' losses at ``length`` as bars beside their methods' defaults."""
+    draw_bars(axis, compared, "nll", [r["label"] if is_ablation(r) else ablation_default(r["label"]) + " (default)"
+                                      for r in compared], colours)
+    bottom = math.floor(min(r["nll"] for r in compared) * 10) / 10 - 0.1  # from 0, differences of 0.01 vanish
+    axis.set_ylim(bottom=bottom, top=max(r["nll"] for r in compared) + 0.1)
+    axis.set_title(f"ablations: loss at {length:,} tokens (axis from {bottom:.1f})")
+    axis.grid(alpha=0.3)
 
 
 def markdown_table(summary: dict) -> str:
@@ -685,7 +703,7 @@ def markdown(report: dict) -> str:
     return markdown_report(report) + "\n\n" + "\n".join(f"- {line}" for line in readings(report) + [cost(report)])
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="9k tokens (one length past training), methods without log_n, loss + accuracy only")
@@ -710,39 +728,58 @@ def main() -> int:
     parser.add_argument("--readme", action="store_true",
                         help="also rewrite the eval[_quick].json block of bench/README.md")
     args = parser.parse_args()
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     quick = args.quick
     stem = "eval_quick" if quick else "eval"
     args.runs = args.runs or args.out_dir / f"{stem}_runs.jsonl"
     lengths = [QUICK_LENGTH] if quick else args.lengths
-    depths, keys = args.depths, args.keys
     grid = configs(args.methods, log_n_too=not (quick or args.without_log_n))
-    jobs = [("loss", s, QUICK_LENGTH) for s in grid] if quick else plan(lengths, grid, depths, keys, args.ablations)
+    jobs = [("loss", s, QUICK_LENGTH) for s in grid] if quick else plan(lengths, grid, args.depths, args.keys,
+                                                                         args.ablations)
     jobs = [job for job in jobs if job[0] in args.tests]
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (float32)",
             "train_length": TRAIN_LENGTH, "corpus": args.corpus, "profile": "quick" if quick else "full",
-            "passkey_trials_per_length": 0 if quick else len(depths) * keys}
+            "passkey_trials_per_length": 0 if quick else len(args.depths) * args.keys}
     if args.table:
         return report(args.runs, jobs, meta, args.out_dir, stem, args.readme)
-
-    from tqdm import tqdm
-
-    from rope_plugins.testing.launcher import running_server
-
-    records = current_records(args.runs) if args.runs.exists() else []  # a loss of an older text is measured again
-    done = {record_key(r) for r in records}
-    to_do = [job for job in jobs if job_key(job) not in done]
-    expected = estimated_seconds(to_do, records)
-    guess = statistics.median([s for s in expected if s is not None] or [60.0])  # a fresh log knows nothing
-    work = [s if s is not None else guess for s in expected]
-    print(f"{len(jobs) - len(to_do)} of {len(jobs)} measurements in {args.runs.name}; {len(to_do)} to do, "
-          f"about {sum(work) / 3600:.1f} h at the pace of its earlier measurements", file=sys.stderr)
-
+    to_do, work = still_to_do(args.runs, jobs)
     # SIGTERM (a job runner, `kill`) ends the run as Ctrl-C does: its server stopped, the
     # summary written; and Ctrl-C works even when a shell started us with SIGINT ignored
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, signal.default_int_handler)
     began = time.perf_counter()
-    served = max(lengths) + 64
+    measure(args, stem, max(lengths), to_do, work, began)
+    return report(args.runs, jobs, {**meta, "seconds": round(time.perf_counter() - began)}, args.out_dir, stem,
+                  args.readme)
+
+
+def still_to_do(runs: Path, jobs: list[tuple]) -> tuple[list[tuple], list[float]]:
+    """The jobs the results log has no record of, and the seconds each is expected to take
+    (from the log's earlier measurements; the median of those estimates, or a minute, when it
+    knows nothing of one), said on stderr."""
+    records = current_records(runs) if runs.exists() else []  # a loss of an older text is measured again
+    done = {record_key(r) for r in records}
+    to_do = [job for job in jobs if job_key(job) not in done]
+    expected = estimated_seconds(to_do, records)
+    guess = statistics.median([s for s in expected if s is not None] or [60.0])  # a fresh log knows nothing
+    work = [s if s is not None else guess for s in expected]
+    print(f"{len(jobs) - len(to_do)} of {len(jobs)} measurements in {runs.name}; {len(to_do)} to do, "
+          f"about {sum(work) / 3600:.1f} h at the pace of its earlier measurements", file=sys.stderr)
+    return to_do, work
+
+
+def measure(args: argparse.Namespace, stem: str, longest: int, to_do: list[tuple], work: list[float],
+            began: float) -> None:
+    """The jobs to do, against ``--url`` or a server started for them (its log beside the
+    results), until done, out of ``--budget-minutes`` or interrupted; each lands in the
+    results log as it ends."""
+    from rope_plugins.testing.launcher import running_server
+
+    served = longest + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
              "--max-num-seqs", "2", "--log-level", "warning"]
     context = running_server(flags, args.out_dir / f"{stem}_server.log") if not args.url else None
@@ -750,27 +787,33 @@ def main() -> int:
     try:
         evaluator = Evaluator(args.url or server.base, args.corpus, args.runs, os.environ.get("ROPE_EXTEND_API_KEY"))
         deadline = began + 60 * args.budget_minutes if args.budget_minutes is not None else math.inf
-        # the bar counts expected seconds of work, not measurements: measurements differ in
-        # length by orders of magnitude, so only this makes its remaining time mean something
-        with tqdm(total=round(sum(work)), desc="evaluation", unit="s", unit_scale=True,
-                  bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
-            measured = estimated = 0.0
-            for number, (job, expected) in enumerate(zip(to_do, work), start=1):
-                if not fits_budget(expected, measured, estimated, deadline - time.perf_counter()):
-                    bar.write(f"the next measurement ({job[0]} {label(job[1])} {job[2]}, about {expected:.0f} s) "
-                              f"does not fit in the {args.budget_minutes:g}-min budget: stopping (rerun to resume)")
-                    break
-                bar.set_postfix_str(f"{number}/{len(to_do)}: {job[0]} {label(job[1])} {job[2]}")
-                record = evaluator.run(job)
-                measured, estimated = measured + record["seconds"], estimated + expected
-                bar.update(round(expected))
+        measure_within(evaluator, to_do, work, deadline, args.budget_minutes)
     except KeyboardInterrupt:
         print("interrupted: the summary covers what finished (rerun to resume)", file=sys.stderr)
     finally:
         if context:
             context.__exit__(None, None, None)
-    return report(args.runs, jobs, {**meta, "seconds": round(time.perf_counter() - began)}, args.out_dir, stem,
-                  args.readme)
+
+
+def measure_within(evaluator: Evaluator, to_do: list[tuple], work: list[float], deadline: float,
+                   budget_minutes: float | None) -> None:
+    """Each job in turn while the next one fits before ``deadline`` (``fits_budget``)."""
+    from tqdm import tqdm
+
+    # the bar counts expected seconds of work, not measurements: measurements differ in
+    # length by orders of magnitude, so only this makes its remaining time mean something
+    with tqdm(total=round(sum(work)), desc="evaluation", unit="s", unit_scale=True,
+              bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
+        measured = estimated = 0.0
+        for number, (job, expected) in enumerate(zip(to_do, work), start=1):
+            if not fits_budget(expected, measured, estimated, deadline - time.perf_counter()):
+                bar.write(f"the next measurement ({job[0]} {label(job[1])} {job[2]}, about {expected:.0f} s) "
+                          f"does not fit in the {budget_minutes:g}-min budget: stopping (rerun to resume)")
+                break
+            bar.set_postfix_str(f"{number}/{len(to_do)}: {job[0]} {label(job[1])} {job[2]}")
+            record = evaluator.run(job)
+            measured, estimated = measured + record["seconds"], estimated + expected
+            bar.update(round(expected))
 
 
 def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, document: bool = False) -> int:
@@ -794,7 +837,8 @@ def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, 
     write_outputs(results, out_dir, stem)
     tables = markdown(results)
     print(tables)
-    print(f"wrote {out_dir / stem}.json, .csv, .png; {len(jobs) - len(missing)} of {len(jobs)} planned measurements done")
+    print(f"wrote {out_dir / stem}.json, .csv, .png; {len(jobs) - len(missing)} of {len(jobs)} planned "
+          f"measurements done")
     if document:
         from bench.readme import DOCUMENT, write_block
 
