@@ -91,7 +91,8 @@ def block_kind(header: str) -> tuple[str, str]:
         return "scope", ""
     if paren < 0 or "=" in header[:paren]:
         return "other", ""  # an enum, an initialiser, a lambda stored in a variable
-    name = re.search(r"(~?[A-Za-z_][\w:]*(?:\s*operator\s*\S+)?)\s*$", header[:paren])
+    # the name, with a specialisation's template arguments (micro_gemm<8>) or an operator's symbol
+    name = re.search(r"(~?[A-Za-z_][\w:]*(?:<[^<>()]*>)?(?:\s*operator\s*\S+)?)\s*$", header[:paren])
     if name is None or name.group(1) in CONTROL:
         return "other", ""
     return "function", name.group(1)

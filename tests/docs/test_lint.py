@@ -63,6 +63,11 @@ inline T twice(T a,
   const char* text = "}";
   return add(b);
 }
+
+template <>
+inline float twice<float>(float a, float b) {
+  return a + b;
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -74,7 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def test_cpp_lengths_count_whole_functions_not_their_blocks():
     """A function runs from its declaration's first line (the template line) to its closing brace;
     its lambdas and blocks are its own lines; comments, strings and macros are not code."""
-    assert list(function_lengths.cpp_functions(CPP)) == [(7, "at", 1), (10, "twice", 10), (22, "PYBIND11_MODULE", 3)]
+    assert list(function_lengths.cpp_functions(CPP)) == [(7, "at", 1), (10, "twice", 10),
+                                                                 (21, "twice<float>", 4), (27, "PYBIND11_MODULE", 3)]
 
 
 def test_offenders_are_listed_with_path_line_name_and_length(tmp_path, capsys):
