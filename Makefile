@@ -15,9 +15,11 @@ run: install
 base-bound: install
 	$(PY) bench/base_bound.py
 
-# ruff ([tool.ruff] in pyproject.toml); .pre-commit-config.yaml runs it before a commit too
+# ruff ([tool.ruff] in pyproject.toml) and no function over 60 lines; .pre-commit-config.yaml
+# runs both before a commit too
 lint: install
 	$(PY) -m ruff check .
+	$(PY) scripts/function_lengths.py
 
 test: install lint
 	@./scripts/install_browser.sh
