@@ -62,14 +62,13 @@ def strip_cpp(source: str) -> str:
 
 
 CONTROL = {"if", "for", "while", "switch", "catch"}
-SCOPE = re.compile(r"\b(namespace|extern)\b")
-CLASS = re.compile(r"\b(class|struct|union)\b")
+SCOPE = re.compile(r"\b(namespace|extern|class|struct|union)\b")
+ATTRIBUTE = re.compile(r"\[\[.*?\]\]|\b(__attribute__|alignas|__declspec)\s*\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)")
 
 
 def without_angles(header: str) -> str:
     """The header without `template <...>` parameter lists, attributes and alignas(...)."""
-    header = re.sub(r"\[\[.*?\]\]", " ", header)
-    header = re.sub(r"\b(__attribute__|alignas|__declspec)\s*\(\((?:[^()]|\([^()]*\))*\)\)", " ", header)
+    header = ATTRIBUTE.sub(" ", header)
     while (match := re.search(r"\btemplate\s*<", header)) is not None:
         depth, end = 0, match.end() - 1
         for end in range(match.end() - 1, len(header)):
@@ -82,15 +81,14 @@ def without_angles(header: str) -> str:
 
 def block_kind(header: str) -> tuple[str, str]:
     """What a `{` opens, from the text before it since the last `;`, `{` or `}`: ("function",
-    name), ("scope", "") for a namespace or class whose members are scanned, or ("other", "")."""
+    name) when a name and parentheses come before it, ("scope", "") for a namespace, an
+    `extern "C"` block or a class, whose members are scanned, or ("other", "")."""
     header = without_angles(header).strip()
-    if SCOPE.match(header):
-        return "scope", ""
     paren = header.find("(")
-    if CLASS.search(header[: paren if paren >= 0 else len(header)]):
-        return "scope", ""
-    if paren < 0 or "=" in header[:paren]:
-        return "other", ""  # an enum, an initialiser, a lambda stored in a variable
+    if paren < 0:
+        return ("scope", "") if SCOPE.search(header) else ("other", "")  # other: an initialiser
+    if "=" in header[:paren]:
+        return "other", ""  # a lambda stored in a variable
     # the name, with a specialisation's template arguments (micro_gemm<8>) or an operator's symbol
     name = re.search(r"(~?[A-Za-z_][\w:]*(?:<[^<>()]*>)?(?:\s*operator\s*\S+)?)\s*$", header[:paren])
     if name is None or name.group(1) in CONTROL:
