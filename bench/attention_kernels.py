@@ -1,6 +1,6 @@
 """The CPU attention kernels on the same inputs: vLLM's paged kernel (what stock vLLM's
-prefill uses; no log-sum-exp), PyTorch's fused flash attention (the plugin's fallback prefill,
-merged by log-sum-exp), and the plugin's one-pass C++ prefill (csrc/prefill_attention.cpp),
+prefill uses; no log-sum-exp), PyTorch's fused flash attention (what a PyTorch prefill would
+call, merged by log-sum-exp), and the plugin's one-pass C++ prefill (csrc/prefill_attention.cpp),
 with its input preparation (key tiles, value layout), twice: all keys far (the frequency
 methods' shape) and with a 1024-token window (ReRoPE's shape: near, far and straddling tiles).
 Queries and keys are left unrotated and the near and far parts get the same inputs, so every
@@ -10,7 +10,7 @@ kernel computes the same causal attention and the outputs are compared.
 
 SmolLM2's shapes (9 query heads, 3 KV heads, head dim 64, float32), causal; each case is a
 chunk of queries over its context, as a prefill step sees it. vLLM's kernel reads keys
-from a paged cache written by vLLM's own op; PyTorch's runs as the plugin calls it (KV heads
+from a paged cache written by vLLM's own op; PyTorch's runs as a PyTorch prefill would (KV heads
 repeated, one causal call over the chunk plus a dense call over older keys, merged by
 log-sum-exp). Interleaved repetitions, medians; outputs compared. Writes
 ``bench/results/attention_kernels.json``.
@@ -57,17 +57,24 @@ def vllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return out
 
 
-def torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
-    from rope_plugins.ops.cpu import flash_attention, heads_first
-    from rope_plugins.ops.merge import merge_partials
+def heads_first(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """``[L, H, d]`` to ``[1, H * repeat, L, d]``, each KV head repeated for its query heads."""
+    x = x.transpose(0, 1)[None]
+    return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
 
-    group = QUERY_HEADS // KV_HEADS
-    q = heads_first(query)[None]
-    parts = [flash_attention(q, heads_first(key[context:], group)[None], heads_first(value[context:], group)[None],
-                             SCALE, causal=True)]
+
+def torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
+    """PyTorch's fused CPU flash attention (with its log-sum-exp), as a PyTorch prefill would call it."""
+    from rope_plugins.testing.merge import merge_partials
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    queries_per_kv = QUERY_HEADS // KV_HEADS
+    q = heads_first(query)
+    parts = [flash(q, heads_first(key[context:], queries_per_kv), heads_first(value[context:], queries_per_kv), 0.0,
+                   True, scale=SCALE)]
     if context:
-        parts.append(flash_attention(q, heads_first(key[:context], group)[None],
-                                     heads_first(value[:context], group)[None], SCALE))
+        parts.append(flash(q, heads_first(key[:context], queries_per_kv), heads_first(value[:context], queries_per_kv),
+                           0.0, False, scale=SCALE))
     return merge_partials(*zip(*parts))[0][0].transpose(0, 1)
 
 
@@ -99,9 +106,8 @@ def plugin_attention(window: int):
         cache = caches[seq, key.data_ptr()]
         identity = lambda n: Rotation(cos=torch.ones(n, 1, half), sin=torch.zeros(n, 1, half))  # noqa: E731
         band_start = max(0, context - window + 1) if window else 0
-        row = PrefillRow(tokens=slice(0, chunk), context=context, seq_len=seq, row=0, window=window,
-                         first_far=max(0, window - context), far_keys=None, band_start=band_start,
-                         band_keys=identity(seq - band_start) if window else None)
+        row = PrefillRow(tokens=slice(0, chunk), context=context, seq_len=seq, row=0, window=window, far_keys=None,
+                         band_start=band_start, band_keys=identity(seq - band_start) if window else None)
         queries = QueryPlan(scale=torch.ones(chunk), near=identity(chunk), far=identity(chunk))
         return cpu.prefill_kernel(query, queries, cache, torch.arange(cache.shape[0]), row, scale=SCALE)
 

@@ -75,16 +75,16 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
             raise NotImplementedError("rope_plugins attention serves decoder self-attention only")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.use_kernel = True  # the tests switch it off to compare against the PyTorch path
+        self.use_kernel = True  # the tests switch it off to hold the plain PyTorch path against the oracle
         if not torch.cuda.is_available():
             native_kernels()  # build or load them now, at model construction, not inside the first step
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: StepPlan | KernelPlan | None, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
         if attn_metadata is None:  # profiling run
@@ -106,14 +106,8 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
             output[plan.decode.tokens] = cpu.decode(query[plan.decode.tokens], kv_cache, plan.decode, plan.query,
                                                     scale=self.scale, use_kernel=self.use_kernel)
         for row in plan.prefill:
-            if self.use_kernel and cpu.uses_prefill_kernel(query):
-                output[row.tokens] = cpu.prefill_kernel(query[row.tokens], plan.query, kv_cache,
-                                                        plan.block_table[row.row], row, scale=self.scale)
-                continue
-            keys, values = cpu.sequence_keys(kv_cache, plan.block_table[row.row], row.seq_len)
-            near_query, far_query = cpu.rotated_queries(query[row.tokens], plan.query, row.tokens)
-            output[row.tokens] = cpu.prefill(near_query, far_query, keys, values, row, scale=self.scale,
-                                             group=self.group)
+            output[row.tokens] = cpu.prefill(query[row.tokens], plan.query, kv_cache, plan.block_table[row.row], row,
+                                             scale=self.scale, use_kernel=self.use_kernel)
         return output
 
 

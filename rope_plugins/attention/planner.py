@@ -17,7 +17,6 @@ from rope_plugins.rules.rotary import dynamic_length, log_n_scale
 from rope_plugins.rules.settings import DYNAMIC_STEP
 from rope_plugins.worker.row_tables import RowTables
 
-PREFILL_TILE = 256  # queries per near-band tile in prefill (at most the window)
 FAR_TABLES_KEPT = 16  # far-key rotation tables kept between steps (one per distinct (θ, ρ))
 
 DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many keys (it divides csrc's kDecodeChunk)
@@ -55,24 +54,15 @@ class QueryPlan:
 
 @dataclass(frozen=True)
 class PrefillRow:
-    """One request with more than one query token this step.
-
-    Near band (``0 <= m - n < w``): "young" queries (``m < w``) see every earlier key; the rest
-    go in ``tiles`` tiles of ``tile`` queries, each against its own tile (causal), the
-    ``w - tile`` keys before it (all visible) and the ``tile - 1`` keys before those (a
-    reversed triangle). Far part (``n <= m - w``): from the query ``first_far`` on.
-    """
+    """One request with more than one query token this step: its near band (``0 <= m - n < w``)
+    lies in keys ``band_start ..``, its far part (``n <= m - w``) anywhere before."""
 
     tokens: slice  # its query tokens in the step's flat token order
     context: int  # tokens already in the cache before this chunk
     seq_len: int  # context + chunk
     row: int  # batch row (block table)
     window: int
-    first_far: int  # the first query with any far key
     far_keys: Rotation | None  # n ρ θ (grouped: ⌊n/g⌋ θ), [seq_len, 1, d/2]; None when ρ = 0 (read raw)
-    young: int = 0
-    tile: int = 0
-    tiles: int = 0
     band_start: int = 0  # the first key position any near query sees
     band_keys: Rotation | None = None  # n θ for n = band_start .. seq_len - 1, [n, 1, d/2]
 
@@ -335,8 +325,8 @@ def log_n_factor(positions: torch.Tensor, log_n_length: torch.Tensor) -> torch.T
 class StepPlanner:
     """Makes :class:`StepPlan` s; keeps far-key tables between steps (keys keep their angle)."""
 
-    def __init__(self, *, block_size: int, dtype: torch.dtype, prefill_tile: int = PREFILL_TILE) -> None:
-        self.block_size, self.dtype, self.prefill_tile = block_size, dtype, prefill_tile
+    def __init__(self, *, block_size: int, dtype: torch.dtype) -> None:
+        self.block_size, self.dtype = block_size, dtype
         self.far_tables: dict[tuple, Rotation] = {}
 
     def plan(self, tables: RowTables, starts: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -431,18 +421,12 @@ class StepPlanner:
     def prefill_row(self, rows: StepRows, row: int) -> PrefillRow:
         chunk, seq_len = int(rows.query_lens[row]), int(rows.seq_lens[row])
         context, window, leak, theta = seq_len - chunk, int(rows.window[row]), float(rows.leak[row]), rows.theta[row]
-        group = int(rows.group[row])
-        young = min(max(window - context, 0), chunk)  # 0 without a window, as all that follows
-        old = chunk - young if window else 0
-        tile = min(self.prefill_tile, window, old) if old else 0
-        band_start = max(0, context - window + 1)
-        band_keys = None
+        band_start, band_keys = 0, None
         if window:
+            band_start = max(0, context - window + 1)
             positions = torch.arange(band_start, seq_len, dtype=torch.float64)
             band_keys = Rotation.of((positions[:, None] * theta)[:, None], self.dtype)
-        return PrefillRow(
-            tokens=slice(int(rows.starts[row]), int(rows.starts[row + 1])), context=context, seq_len=seq_len, row=row,
-            window=window, first_far=max(0, window - context),
-            far_keys=self.far_key_table(theta, leak, group, seq_len)[:, None] if leak != 0 else None,
-            young=young, tile=tile, tiles=-(-old // tile) if old else 0, band_start=band_start if window else 0,
-            band_keys=band_keys)
+        far_keys = self.far_key_table(theta, leak, int(rows.group[row]), seq_len)[:, None] if leak != 0 else None
+        return PrefillRow(tokens=slice(int(rows.starts[row]), int(rows.starts[row + 1])), context=context,
+                          seq_len=seq_len, row=row, window=window, far_keys=far_keys, band_start=band_start,
+                          band_keys=band_keys)

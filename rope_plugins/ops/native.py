@@ -2,9 +2,10 @@
 PyTorch's extension builder and cached (``scripts/install.sh`` builds them once ahead of
 time), and typed wrappers called by keyword.
 
-Without a C++ compiler the kernels are unavailable and attention takes the PyTorch path,
-which computes the same thing. With a compiler, a failed build is an error (:class:`KernelBuildError`):
-the install stops and the engine does not start, rather than serving on the slow path unnoticed.
+Without a C++ compiler the kernels are unavailable and attention takes the plain PyTorch path
+(rope_plugins/ops/cpu.py), which computes the same thing. With a compiler, a failed build is an
+error (:class:`KernelBuildError`): the install stops and the engine does not start, rather than
+serving on the slow path unnoticed.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def compiler() -> str | None:
 def kernels():
     """The compiled module of the C++ kernels (decode, prefill); None only when there is no compiler."""
     if compiler() is None:
-        logger.warning("rope_plugins: no C++ compiler (%s); attention takes the PyTorch path", os.environ.get("CXX", "c++"))
+        logger.warning("rope_plugins: no C++ compiler (%s); attention takes the plain PyTorch path",
+                       os.environ.get("CXX", "c++"))
         return None
     from torch.utils.cpp_extension import load
 

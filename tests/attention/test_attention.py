@@ -1,6 +1,6 @@
-"""The attention backend's paths on a hand-made paged cache, against the oracle:
-the C++ decode kernel, the PyTorch decode path, and prefill from a cached context; and the
-log-sum-exp merge (rope_plugins/attention/backend.py, planner.py, ops/)."""
+"""The attention backend's paths on a hand-made paged cache, against the oracle: the C++
+decode and prefill kernels, the plain PyTorch fallback, prefill from a cached context; and
+the log-sum-exp merge (rope_plugins/attention/backend.py, planner.py, ops/, testing/merge.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import torch
 from rope_plugins.attention.backend import RopeExtendAttentionImpl
 from rope_plugins.attention.planner import StepPlanner
 from rope_plugins.ops import cpu, native
-from rope_plugins.ops.merge import merge_partials
 from rope_plugins.rules.settings import ExtensionSettings
+from rope_plugins.testing.merge import merge_partials
 from rope_plugins.testing.paged_steps import paged_step
 
 # Where a C++ compiler exists the kernel must build: a failed build fails these tests.
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler here")
 
-TRAIN, D, KV, GROUP, BLOCK = 64, 32, 2, 3, 16
+TRAIN, D, KV, QUERIES_PER_KV, BLOCK = 64, 32, 2, 3, 16
 ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="rerope", window=37, train_length=TRAIN), 150, 1),
     (ExtensionSettings(method="leaky_rerope", window=20, leaky_k=4.0, log_n=True, train_length=TRAIN), 90, 1),
@@ -31,8 +31,8 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     # decode rows longer than the kernel's 512-key chunk: chunks on different threads, merged
     (ExtensionSettings(method="rerope", window=40, log_n=True, train_length=TRAIN), 1400, 1),
     (ExtensionSettings(method="leaky_rerope", window=24, leaky_k=8.0, train_length=TRAIN), 1100, 1),
-    # prefill near-band shapes (tiles of PREFILL_TILE below): young queries then several tiles,
-    # all tiles, a window smaller than a tile, a one-token window
+    # prefill near-band shapes: queries inside the window then beyond it, a chunk past a window
+    # smaller than the C++ kernel's 32-key tile, windows of 5 and of one token, a chunk inside the window
     (ExtensionSettings(method="rerope", window=37, train_length=TRAIN), 0, 150),
     (ExtensionSettings(method="rerope", window=20, log_n=True, train_length=TRAIN), 30, 50),
     (ExtensionSettings(method="leaky_rerope", window=5, leaky_k=3.0, train_length=TRAIN), 3, 40),
@@ -60,26 +60,25 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="ntk_dynamic", log_n=True, train_length=TRAIN), 250, 1),
     (ExtensionSettings(method="ntk_dynamic", train_length=TRAIN), 900, 1),
 ]
-PREFILL_TILE = 8
 
 
 def rows_step(seed=0):
     """A step of ``ROWS`` on a paged cache (rope_plugins/testing/paged_steps.py)."""
-    return paged_step(ROWS, seed=seed, head=D, kv=KV, group=GROUP, block=BLOCK)
+    return paged_step(ROWS, seed=seed, head=D, kv=KV, group=QUERIES_PER_KV, block=BLOCK)
 
 
 def make_step(seed=0):
     """The CPU path's plan of :func:`rows_step`, and its inputs."""
     step = rows_step(seed)
-    planner = StepPlanner(block_size=BLOCK, dtype=torch.float32, prefill_tile=PREFILL_TILE)
+    planner = StepPlanner(block_size=BLOCK, dtype=torch.float32)
     meta = planner.plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
     return step.cache, meta, step.sequences, step.query, step.key, step.value, step.starts
 
 
-@pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=needs_compiler), False], ids=["cpp-kernel", "pytorch"])
+@pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=needs_compiler), False], ids=["cpp-kernel", "plain"])
 def test_step_matches_oracle(use_kernel):
     cache, meta, sequences, query, key, value, starts = make_step()
-    impl = RopeExtendAttentionImpl(KV * GROUP, D, D**-0.5, KV, None, None, "auto")
+    impl = RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "auto")
     impl.use_kernel = use_kernel
     output = torch.empty_like(query)
     impl.forward(None, query, key, value, cache, meta, output)
@@ -92,8 +91,19 @@ def test_the_kernel_is_built_to_run_its_chunks_in_parallel():
     assert b"GOMP_parallel" in Path(native.kernels().__file__).read_bytes()
 
 
+def test_plain_prefill_in_chunks_of_a_few_queries_matches_oracle():
+    """The plain prefill's query chunks (3 to 5 queries each here) change nothing."""
+    cache, meta, _, query, _, _, _ = make_step()
+    expected = rows_step(seed=0).expected().float()
+    for row in meta.prefill:
+        heads = KV * QUERIES_PER_KV
+        out = cpu.prefill_plain(query[row.tokens], meta.query, cache, meta.block_table[row.row], row, scale=D**-0.5,
+                                scores_per_chunk=heads * row.seq_len * (3 + row.row % 3))
+        torch.testing.assert_close(out, expected[row.tokens], rtol=0, atol=2e-5)
+
+
 @needs_compiler
-def test_kernel_equals_pytorch_decode():
+def test_kernel_equals_plain_decode():
     cache, meta, _, query, _, _, _ = make_step(seed=3)
     decode_query = query[meta.decode.tokens]
     fast = cpu.decode(decode_query, cache, meta.decode, meta.query, scale=D**-0.5)

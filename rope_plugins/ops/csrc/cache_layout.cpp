@@ -44,7 +44,8 @@ torch::Tensor cache_key_tiles(const torch::Tensor& kv_cache, const torch::Tensor
     std::vector<float> rotated(d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item % kv_heads, tile = first_tile + item / kv_heads;
-      const int64_t from = std::max(first, origin + tile * kTile), to = std::min(first + count, origin + (tile + 1) * kTile);
+      const int64_t from = std::max(first, origin + tile * kTile);
+      const int64_t to = std::min(first + count, origin + (tile + 1) * kTile);
       float* tile_p = out_p + (h * tiles + tile) * d * kTile;
       for (int64_t n = from; n < to; ++n) {
         const float* key = cache_row(cache, kv_cache, blocks_p, n, h);

@@ -149,7 +149,8 @@ template <int64_t d>
 inline void prefetch(const DecodeScratch& scratch, int64_t j, int64_t keys) {
   if (j + kPrefetch < keys) {
     const char* ahead = reinterpret_cast<const char*>(scratch.row_of[j + kPrefetch]);
-    for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(float)); byte += kCacheLine) __builtin_prefetch(ahead + byte, 0, 3);
+    for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(float)); byte += kCacheLine)
+      __builtin_prefetch(ahead + byte, 0, 3);
   }
 }
 
@@ -245,19 +246,20 @@ void attend_chunk(const DecodeView& view, int64_t index, DecodeScratch& scratch)
 // softmax over all keys = sum_c exp(max_c - M) out_c / sum_c exp(max_c - M) sum_c, for row r's kv head h
 template <int64_t d>
 void merge_chunks(const DecodeView& view, int64_t item) {
-  const int64_t r = item / view.kv_heads, h = item % view.kv_heads, group = view.queries_per_kv;
+  const int64_t r = item / view.kv_heads, h = item % view.kv_heads, queries_per_kv = view.queries_per_kv;
   const int64_t used = (view.seq_lens[r] + kDecodeChunk - 1) / kDecodeChunk;
-  for (int64_t g = 0; g < group; ++g) {
-    const float* maxima = view.partial_max + item * view.chunks * group + g;  // chunk c at c * group
+  for (int64_t g = 0; g < queries_per_kv; ++g) {
+    // chunk c at c * queries_per_kv
+    const float* maxima = view.partial_max + item * view.chunks * queries_per_kv + g;
     float overall = kNegInf;
-    for (int64_t c = 0; c < used; ++c) overall = std::max(overall, maxima[c * group]);
-    float* target = view.out + (r * view.heads + h * group + g) * d;
+    for (int64_t c = 0; c < used; ++c) overall = std::max(overall, maxima[c * queries_per_kv]);
+    float* target = view.out + (r * view.heads + h * queries_per_kv + g) * d;
     std::fill(target, target + d, 0.f);
     float total = 0.f;
     for (int64_t c = 0; c < used; ++c) {
-      const float weight = rope_kernels::exp_nonpositive(maxima[c * group] - overall);
-      total += weight * view.partial_sum[(item * view.chunks + c) * group + g];
-      const float* __restrict partial = view.partial_out + ((item * view.chunks + c) * group + g) * d;
+      const float weight = rope_kernels::exp_nonpositive(maxima[c * queries_per_kv] - overall);
+      total += weight * view.partial_sum[(item * view.chunks + c) * queries_per_kv + g];
+      const float* __restrict partial = view.partial_out + ((item * view.chunks + c) * queries_per_kv + g) * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) target[i] += weight * partial[i];
     }
@@ -273,15 +275,15 @@ torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor
   check_inputs(rows, kv_cache);
   const auto contiguous_query = query.contiguous();
   const int64_t count = query.size(0), heads = query.size(1), kv_heads = kv_cache.size(1);
-  const int64_t chunks = (longest_row(rows) + kDecodeChunk - 1) / kDecodeChunk, group = heads / kv_heads;
+  const int64_t chunks = (longest_row(rows) + kDecodeChunk - 1) / kDecodeChunk, queries_per_kv = heads / kv_heads;
   // partial results per (row, kv head, chunk): max and sum per query head, and the output sum
-  torch::Tensor partials[] = {torch::empty({count, kv_heads, chunks, group}),
-                              torch::empty({count, kv_heads, chunks, group}),
-                              torch::empty({count, kv_heads, chunks, group, d})};
+  torch::Tensor partials[] = {torch::empty({count, kv_heads, chunks, queries_per_kv}),
+                              torch::empty({count, kv_heads, chunks, queries_per_kv}),
+                              torch::empty({count, kv_heads, chunks, queries_per_kv, d})};
   auto output = torch::empty({count, heads, d});
   const DecodeView view = decode_view(rows, contiguous_query, kv_cache, scale, chunks, partials, output);
   at::parallel_for(0, count * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    DecodeScratch scratch(d, group);
+    DecodeScratch scratch(d, queries_per_kv);
     for (int64_t item = begin; item < end; ++item) attend_chunk<d>(view, item, scratch);
   });
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
