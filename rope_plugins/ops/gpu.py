@@ -1,11 +1,10 @@
 """The attention's Triton kernels on the pre-rotation paged cache (vLLM's CUDA build).
 
-Each row's rule comes as numbers, not tables: its frequencies ``θ`` (float64), window ``w``,
-leak ``ρ`` and group ``g`` (Self-Extend's far positions floored to groups; 0: none), and every
-query token's scale (log-n x the method's factor). Angles are
-formed in float64 inside the kernels (position x θ, reduced to ``[-π, π]``) and only then
-cast, so positions far past training keep the float64 oracle's accuracy without a cos/sin
-table as large as the cache.
+Each row's rule comes as numbers, not tables (:class:`KernelPlan`): its frequencies ``θ``
+(float64), window ``w``, leak ``ρ``, Self-Extend's group ``g`` (far positions floored to
+groups; 0: none), log-n length and query factor. Angles are formed in float64 inside the
+kernels (position x θ, reduced to ``[-π, π]``) and only then cast, so positions far past
+training keep the float64 oracle's accuracy without a cos/sin table as large as the cache.
 
 - :func:`write_cache`: unrotated keys and values into their slots, skipping padded slots (-1).
 - :func:`prefill`: one program per (query tile of a row, query head) walks the row's key
@@ -15,11 +14,18 @@ table as large as the cache.
   or rotated to ``n ρ θ`` (grouped: ``(⌊m/g⌋ + w - ⌊w/g⌋) θ`` against ``⌊n/g⌋ θ``); a
   straddling tile computes both and picks per element. No log-sum-exp merge, one read of the keys.
 - :func:`decode`: split-K over the paged cache, one program per (decode row, KV head, split)
-  serving the KV head's query heads together (one read of K and V for the group), then a
-  reduce over the splits by their log-sum-exps.
+  serving the KV head's ``queries_per_kv`` query heads together (one read of K and V for
+  them), then a reduce over the splits by their log-sum-exps.
+
+Both attention kernels share one key-tile loop (:func:`attend_key_tiles`): the rule's
+positions, :func:`rotate_pair`, :func:`tile_scores` and :func:`softmax_step` exist once.
+Prefill scores with ``tl.dot`` (16 queries or more per tile); decode, with a KV head's few query
+heads, with broadcast sums (``DOT`` off). Vectors of the two neox halves travel as pairs
+``(first, second)``; the row rule as one tuple (:func:`load_row_rule`).
 
 On CPU tensors these run under ``TRITON_INTERPRET=1`` (set before this module is imported):
-the tests' way to check the GPU path without a GPU.
+the tests' way to check the GPU path without a GPU; ``tests/ops/compile_kernels.py`` compiles
+them for a GPU target.
 """
 
 from __future__ import annotations
@@ -29,6 +35,21 @@ import triton
 import triton.language as tl
 
 from rope_plugins.attention.planner import KEY_TILE, KernelPlan
+
+# ---------------------------------------------------------------------------------------------
+# The row rule: where a query or key stands, and how much a query is scaled
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_row_rule(row, theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,
+                  stride_theta, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Row ``row``'s rule as the kernels apply it: ``(θ [pairs] float64, window w, leak ρ,
+    Self-Extend's group g, log-n length L, query factor)``."""
+    pairs = tl.arange(0, HALF_PAD)
+    theta = tl.load(theta_ptr + row * stride_theta + pairs, mask=pairs < HALF, other=0.0)
+    return (theta, tl.load(window_ptr + row), tl.load(leak_ptr + row), tl.load(group_ptr + row),
+            tl.load(log_n_length_ptr + row), tl.load(query_factor_ptr + row))
 
 
 @triton.jit
@@ -58,22 +79,12 @@ def far_key_position(key_position, leak, group):
 
 
 @triton.jit
-def far_keys(first, second, key_position, leak, group, theta):
+def far_keys(keys, key_position, leak, group, theta):
     """Keys at their far angle (:func:`far_key_position` x θ); read raw under ReRoPE (``ρ = 0``)."""
-    far_first, far_second = first, second
+    far_first, far_second = keys
     if leak != 0.0:
-        far_first, far_second = rotate_pair(first, second, far_key_position(key_position, leak, group), theta)
+        far_first, far_second = rotate_pair(far_first, far_second, far_key_position(key_position, leak, group), theta)
     return far_first, far_second
-
-
-@triton.jit
-def paged_keys(cache_ptr, block_table_row_ptr, key_position, valid, kv_head, pairs, stride_cb, stride_ch, stride_cs,
-               BLOCK_SIZE: tl.constexpr):
-    """Where keys ``key_position`` of one sequence (its block-table row) lie in the paged cache:
-    ``[keys, pairs]`` addresses of their first half; the second half is ``+ d/2``, the value ``+ d``."""
-    block = tl.load(block_table_row_ptr + key_position // BLOCK_SIZE, mask=valid, other=0)
-    return (cache_ptr + block.to(tl.int64)[:, None] * stride_cb + kv_head * stride_ch
-            + (key_position % BLOCK_SIZE)[:, None] * stride_cs + pairs[None, :])
 
 
 @triton.jit
@@ -85,9 +96,160 @@ def query_scale(position, log_n_length, query_factor):
 
 
 @triton.jit
-def write_cache_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                       stride_cb, stride_ch, stride_cs, BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr,
-                       HEAD_PAD: tl.constexpr):
+def rotated_queries(query_at, mask, position, softmax_scale, rule, HALF: tl.constexpr, OPERAND: tl.constexpr):
+    """Queries ``[rows, pairs]`` scaled (:func:`query_scale` x the softmax scale), each at its
+    near angle ``m θ`` and its far angle, as pairs of ``OPERAND`` (the scores' operand type)."""
+    theta, window, leak, group, log_n_length, query_factor = rule
+    scale = query_scale(position, log_n_length, query_factor) * softmax_scale
+    first, second = load_pair(query_at, mask, HALF)
+    first = first.to(tl.float32) * scale[:, None]
+    second = second.to(tl.float32) * scale[:, None]
+    near_first, near_second = rotate_pair(first, second, position.to(tl.float64), theta)
+    far_first, far_second = rotate_pair(first, second, far_query_position(position, window, leak, group), theta)
+    return (near_first.to(OPERAND), near_second.to(OPERAND)), (far_first.to(OPERAND), far_second.to(OPERAND))
+
+
+# ---------------------------------------------------------------------------------------------
+# The paged cache, and one key tile's scores and online-softmax step
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_pair(at, mask, HALF: tl.constexpr):
+    """The two neox halves of the vectors at ``at`` (their first halves): ``(at, at + d/2)``, masked to 0."""
+    return tl.load(at, mask=mask, other=0.0), tl.load(at + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def row_cache(cache_ptr, block_table_ptr, row, kv_head, stride_cb, stride_ch, stride_cs, stride_bt):
+    """One KV head's view of one row's paged cache, as :func:`paged_keys` reads it."""
+    return cache_ptr + kv_head * stride_ch, block_table_ptr + row * stride_bt, stride_cb, stride_cs
+
+
+@triton.jit
+def paged_keys(cache, key_position, valid, pairs, BLOCK_SIZE: tl.constexpr):
+    """Where keys ``key_position`` lie in a :func:`row_cache`: ``[keys, pairs]`` addresses of
+    their first half; the second half is ``+ d/2``, the value ``+ d``."""
+    head_cache_ptr, block_table_row_ptr, stride_cb, stride_cs = cache
+    block = tl.load(block_table_row_ptr + key_position // BLOCK_SIZE, mask=valid, other=0)
+    return (head_cache_ptr + block.to(tl.int64)[:, None] * stride_cb
+            + (key_position % BLOCK_SIZE)[:, None] * stride_cs + pairs[None, :])
+
+
+@triton.jit
+def pair_scores(query, key, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """``query · key`` ``[rows, keys]`` over both halves: by ``tl.dot`` in the queries' type, or
+    (``DOT`` off: fewer than 16 rows) by float32 broadcast sums."""
+    query_first, query_second = query
+    key_first, key_second = key
+    if DOT:
+        scores = tl.dot(query_first, tl.trans(key_first.to(query_first.dtype)), input_precision=PRECISION)
+        scores += tl.dot(query_second, tl.trans(key_second.to(query_first.dtype)), input_precision=PRECISION)
+    else:
+        scores = tl.sum(query_first[:, None, :] * key_first[None, :, :], axis=2)
+        scores += tl.sum(query_second[:, None, :] * key_second[None, :, :], axis=2)
+    return scores
+
+
+@triton.jit
+def tile_scores(near_query, far_query, keys, first_key, key_position, distance, first_query, last_query, rule,
+                DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile's scores ``[rows, keys]``: near pairs (``m - n < w``) score the near query
+    against the keys rotated to ``n θ``, the others the far query against the far keys; each
+    half computed only when some pair of the tile needs it (queries ``first_query .. last_query``)."""
+    theta, window, leak, group, _, _ = rule
+    near = distance < window
+    scores = tl.zeros(distance.shape, tl.float32)
+    last_key = first_key + key_position.shape[0] - 1
+    if (window > 0) & (first_query - last_key < window):  # some pair is near
+        rotated = rotate_pair(keys[0], keys[1], key_position.to(tl.float64), theta)
+        scores = tl.where(near, pair_scores(near_query, rotated, DOT, PRECISION), scores)
+    if last_query - first_key >= window:  # some pair is far
+        scores = tl.where(near, scores, pair_scores(far_query, far_keys(keys, key_position, leak, group, theta),
+                                                    DOT, PRECISION))
+    return scores
+
+
+@triton.jit
+def softmax_step(scores, running_max, running_sum):
+    """One key tile of the online softmax: the new running max and sum, the tile's weights
+    ``exp(s - max)``, and the factor that rescales what was accumulated before."""
+    tile_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    correction = tl.exp(running_max - tile_max)
+    weights = tl.exp(scores - tile_max[:, None])
+    return tile_max, running_sum * correction + tl.sum(weights, axis=1), weights, correction
+
+
+@triton.jit
+def weigh_values(out, weights, correction, value_at, mask, HALF: tl.constexpr, DOT: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """The output halves ``out`` rescaled by ``correction`` plus ``weights`` x the tile's values:
+    by ``tl.dot`` in the values' type, or (``DOT`` off) by float32 broadcast sums."""
+    out_first, out_second = out
+    value_first, value_second = load_pair(value_at, mask, HALF)
+    if DOT:
+        weights = weights.to(value_first.dtype)
+        out_first = out_first * correction[:, None] + tl.dot(weights, value_first, input_precision=PRECISION)
+        out_second = out_second * correction[:, None] + tl.dot(weights, value_second, input_precision=PRECISION)
+    else:
+        value_first, value_second = value_first.to(tl.float32), value_second.to(tl.float32)
+        out_first = out_first * correction[:, None] + tl.sum(weights[:, :, None] * value_first[None, :, :], axis=1)
+        out_second = out_second * correction[:, None] + tl.sum(weights[:, :, None] * value_second[None, :, :], axis=1)
+    return out_first, out_second
+
+
+@triton.jit
+def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, cache, HALF: tl.constexpr,
+                     KEY_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREFILL: tl.constexpr, PRECISION: tl.constexpr):
+    """Queries at ``position`` (``[rows]``; near and far, from :func:`rotated_queries`) over
+    keys ``key_start .. key_end`` of a :func:`row_cache`, up to the causal edge: the running
+    max and sum of the online softmax, and the output halves not yet divided by the sum.
+    ``PREFILL``: a tile of consecutive queries, scored by ``tl.dot``, whose causal edge can cut a
+    key tile; otherwise one decode position (a KV head's query heads), which every key precedes."""
+    first_query = tl.min(position, axis=0)
+    last_query = tl.max(position, axis=0)
+    pairs = tl.arange(0, near_query[0].shape[1])
+    running_max = tl.full(position.shape, float("-inf"), tl.float32)
+    running_sum = tl.zeros(position.shape, tl.float32)
+    out = tl.zeros(near_query[0].shape, tl.float32), tl.zeros(near_query[0].shape, tl.float32)
+    for first_key in range(key_start, tl.minimum(key_end, last_query + 1), KEY_TILE):  # none after the last query
+        key_position = first_key + tl.arange(0, KEY_TILE)
+        valid = key_position < key_end
+        key_at = paged_keys(cache, key_position, valid, pairs, BLOCK_SIZE)
+        key_mask = valid[:, None] & (pairs < HALF)[None, :]
+        keys = load_pair(key_at, key_mask, HALF)
+        keys = keys[0].to(tl.float32), keys[1].to(tl.float32)
+        distance = position[:, None] - key_position[None, :]
+        scores = tile_scores(near_query, far_query, keys, first_key, key_position, distance, first_query, last_query,
+                             rule, PREFILL, PRECISION)
+        if PREFILL:
+            scores = tl.where((distance >= 0) & valid[None, :], scores, float("-inf"))
+        else:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+        running_max, running_sum, weights, correction = softmax_step(scores, running_max, running_sum)
+        out = weigh_values(out, weights, correction, key_at + 2 * HALF, key_mask, HALF, PREFILL, PRECISION)
+    return running_max, running_sum, out
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels. Parameters in groups, in this order: outputs; inputs; the paged cache; the step's
+# rows; the row rule (KernelPlan's numbers); strides; constexpr sizes.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def write_cache_kernel(
+    # outputs
+    cache_ptr,  # [blocks, kv heads, block, 2d]: keys then values, unrotated
+    # inputs
+    key_ptr, value_ptr,  # [T, kv heads, d]
+    # the step's rows
+    slot_ptr,  # [T] each token's slot; -1: padding
+    # strides
+    stride_cb, stride_ch, stride_cs, stride_kt, stride_kh, stride_vt, stride_vh,
+    # constexpr sizes
+    BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -101,190 +263,122 @@ def write_cache_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, strid
         tl.store(target + HEAD + dims, value, mask=inside)
 
 
-def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Unrotated keys and values ``[T, kv, d]`` into their slots of ``kv_cache``
-    ``[blocks, kv, block, 2d]``; slots of -1 (padding) are skipped."""
-    tokens, kv_heads, head = key.shape
-    if tokens == 0:
-        return
-    write_cache_kernel[(tokens, kv_heads)](
-        key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), BLOCK_SIZE=kv_cache.shape[2], HEAD=head,
-        HEAD_PAD=triton.next_power_of_2(head))
-
-
 @triton.jit
-def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, theta_ptr,
-                   window_ptr, leak_ptr, log_n_length_ptr, query_factor_ptr, group_ptr, tile_row_ptr, tile_start_ptr,
-                   softmax_scale,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt,
-                   stride_theta, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
-                   HALF_PAD: tl.constexpr, QUERY_TILE: tl.constexpr, KEY_TILE: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def prefill_kernel(
+    # outputs
+    out_ptr,  # [T, heads, d]
+    # inputs
+    query_ptr, softmax_scale,  # [T, heads, d] unrotated
+    # the paged cache
+    cache_ptr, block_table_ptr,  # [blocks, kv heads, block, 2d] unrotated keys, then values; [R, max blocks]
+    # the step's rows
+    query_start_ptr, seq_lens_ptr,  # [R + 1], [R]
+    tile_row_ptr, tile_start_ptr,  # [programs] each program's batch row, and its first query in the row's chunk
+    # the row rule
+    theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,  # [R, d/2], [R] each
+    # strides
+    stride_ot, stride_oh, stride_qt, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_theta,
+    # constexpr sizes
+    BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    QUERY_TILE: tl.constexpr, KEY_TILE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per (query tile of a row's chunk, query head)."""
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    kv_head = head // GROUP
     row = tl.load(tile_row_ptr + tile)
     first_query = tl.load(tile_start_ptr + tile)  # in the row's chunk
     query_start = tl.load(query_start_ptr + row)
     chunk = tl.load(query_start_ptr + row + 1) - query_start
     seq_len = tl.load(seq_lens_ptr + row)
-    context = seq_len - chunk
-    window = tl.load(window_ptr + row)
-    leak = tl.load(leak_ptr + row)
-    group = tl.load(group_ptr + row)
+    rule = load_row_rule(row, theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,
+                         stride_theta, HALF, HALF_PAD)
 
     pairs = tl.arange(0, HALF_PAD)
-    in_half = pairs < HALF
-    theta = tl.load(theta_ptr + row * stride_theta + pairs, mask=in_half, other=0.0)
     chunk_index = first_query + tl.arange(0, QUERY_TILE)
-    in_chunk = chunk_index < chunk
-    query_position = context + chunk_index
+    position = seq_len - chunk + chunk_index
     token = (query_start + chunk_index).to(tl.int64)
-    query_at = query_ptr + token[:, None] * stride_qt + head * stride_qh + pairs[None, :]
-    query_mask = in_chunk[:, None] & in_half[None, :]
-    scale = query_scale(query_position, tl.load(log_n_length_ptr + row), tl.load(query_factor_ptr + row)) * softmax_scale
-    first = tl.load(query_at, mask=query_mask, other=0.0).to(tl.float32) * scale[:, None]
-    second = tl.load(query_at + HALF, mask=query_mask, other=0.0).to(tl.float32) * scale[:, None]
-    near_first, near_second = rotate_pair(first, second, query_position.to(tl.float64), theta)
-    far_first, far_second = rotate_pair(first, second, far_query_position(query_position, window, leak, group), theta)
-    dot_type = query_ptr.dtype.element_ty
-    near_first, near_second = near_first.to(dot_type), near_second.to(dot_type)
-    far_first, far_second = far_first.to(dot_type), far_second.to(dot_type)
-
-    running_max = tl.full([QUERY_TILE], float("-inf"), tl.float32)
-    running_sum = tl.zeros([QUERY_TILE], tl.float32)
-    out_first = tl.zeros([QUERY_TILE, HALF_PAD], tl.float32)
-    out_second = tl.zeros([QUERY_TILE, HALF_PAD], tl.float32)
-    last_query = context + first_query + QUERY_TILE - 1
-    key_end = tl.minimum(seq_len, last_query + 1)  # causal: no key after the tile's last query
-    for first_key in range(0, key_end, KEY_TILE):
-        key_position = first_key + tl.arange(0, KEY_TILE)
-        in_sequence = key_position < seq_len
-        key_at = paged_keys(cache_ptr, block_table_ptr + row * stride_bt, key_position, in_sequence, kv_head,
-                            pairs, stride_cb, stride_ch, stride_cs, BLOCK_SIZE)
-        key_mask = in_sequence[:, None] & in_half[None, :]
-        key_first = tl.load(key_at, mask=key_mask, other=0.0).to(tl.float32)
-        key_second = tl.load(key_at + HALF, mask=key_mask, other=0.0).to(tl.float32)
-        distance = query_position[:, None] - key_position[None, :]
-        near = distance < window
-        scores = tl.zeros([QUERY_TILE, KEY_TILE], tl.float32)
-        if (window > 0) & (context + first_query - (first_key + KEY_TILE - 1) < window):  # some pair is near
-            rotated_first, rotated_second = rotate_pair(key_first, key_second, key_position.to(tl.float64), theta)
-            near_scores = tl.dot(near_first, tl.trans(rotated_first.to(dot_type)), input_precision=PRECISION)
-            near_scores += tl.dot(near_second, tl.trans(rotated_second.to(dot_type)), input_precision=PRECISION)
-            scores = tl.where(near, near_scores, scores)
-        if last_query - first_key >= window:  # some pair is far
-            far_key_first, far_key_second = far_keys(key_first, key_second, key_position, leak, group, theta)
-            far_scores = tl.dot(far_first, tl.trans(far_key_first.to(dot_type)), input_precision=PRECISION)
-            far_scores += tl.dot(far_second, tl.trans(far_key_second.to(dot_type)), input_precision=PRECISION)
-            scores = tl.where(near, scores, far_scores)
-        scores = tl.where((distance >= 0) & in_sequence[None, :], scores, float("-inf"))
-
-        tile_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - tile_max)
-        weights = tl.exp(scores - tile_max[:, None])
-        running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        value_first = tl.load(key_at + 2 * HALF, mask=key_mask, other=0.0)
-        value_second = tl.load(key_at + 3 * HALF, mask=key_mask, other=0.0)
-        weights = weights.to(value_first.dtype)
-        out_first = out_first * correction[:, None] + tl.dot(weights, value_first, input_precision=PRECISION)
-        out_second = out_second * correction[:, None] + tl.dot(weights, value_second, input_precision=PRECISION)
-        running_max = tile_max
+    query_mask = (chunk_index < chunk)[:, None] & (pairs < HALF)[None, :]
+    near_query, far_query = rotated_queries(query_ptr + token[:, None] * stride_qt + head * stride_qh + pairs[None, :],
+                                            query_mask, position, softmax_scale, rule, HALF,
+                                            query_ptr.dtype.element_ty)
+    cache = row_cache(cache_ptr, block_table_ptr, row, head // QUERIES_PER_KV, stride_cb, stride_ch, stride_cs,
+                      stride_bt)
+    _, running_sum, out = attend_key_tiles(near_query, far_query, position, rule, 0, seq_len, cache, HALF, KEY_TILE,
+                                           BLOCK_SIZE, True, PRECISION)
 
     out_at = out_ptr + token[:, None] * stride_ot + head * stride_oh + pairs[None, :]
     out_type = out_ptr.dtype.element_ty
-    tl.store(out_at, (out_first / running_sum[:, None]).to(out_type), mask=query_mask)
-    tl.store(out_at + HALF, (out_second / running_sum[:, None]).to(out_type), mask=query_mask)
+    tl.store(out_at, (out[0] / running_sum[:, None]).to(out_type), mask=query_mask)
+    tl.store(out_at + HALF, (out[1] / running_sum[:, None]).to(out_type), mask=query_mask)
 
 
 @triton.jit
-def decode_split_kernel(partial_ptr, lse_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr,
-                        theta_ptr, window_ptr, leak_ptr, log_n_length_ptr, query_factor_ptr, group_ptr, decode_rows_ptr,
-                        softmax_scale,
-                        split_keys, stride_qt, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_theta,
-                        stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, BLOCK_SIZE: tl.constexpr,
-                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                        KEY_TILE: tl.constexpr):
+def decode_split_kernel(
+    # outputs
+    partial_ptr, lse_ptr,  # [Rd, heads, splits, d] each split's normalised output; [Rd, heads, splits] its log-sum-exp
+    # inputs
+    query_ptr, softmax_scale,  # [T, heads, d] unrotated
+    # the paged cache
+    cache_ptr, block_table_ptr,  # [blocks, kv heads, block, 2d] unrotated keys, then values; [R, max blocks]
+    # the step's rows
+    query_start_ptr, seq_lens_ptr,  # [R + 1], [R]
+    decode_rows_ptr, split_keys,  # [Rd] the decode rows' batch rows; keys per split
+    # the row rule
+    theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,  # [R, d/2], [R] each
+    # strides
+    stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_qt, stride_qh, stride_cb, stride_ch, stride_cs,
+    stride_bt, stride_theta,
+    # constexpr sizes
+    BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, QUERIES_PER_KV_PAD: tl.constexpr, HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr, KEY_TILE: tl.constexpr,
+):
+    """One program per (decode row, KV head, split of the row's keys): the KV head's query heads together."""
     decode_row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(decode_rows_ptr + decode_row)
     token = tl.load(query_start_ptr + row).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + row)
-    window = tl.load(window_ptr + row)
-    leak = tl.load(leak_ptr + row)
-    group = tl.load(group_ptr + row)
-    position = seq_len - 1
+    rule = load_row_rule(row, theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,
+                         stride_theta, HALF, HALF_PAD)
 
     pairs = tl.arange(0, HALF_PAD)
-    in_half = pairs < HALF
-    theta = tl.load(theta_ptr + row * stride_theta + pairs, mask=in_half, other=0.0)
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    in_group = tl.arange(0, GROUP_PAD) < GROUP
-    query_at = query_ptr + token * stride_qt + heads[:, None] * stride_qh + pairs[None, :]
-    query_mask = in_group[:, None] & in_half[None, :]
-    scale = query_scale(position, tl.load(log_n_length_ptr + row), tl.load(query_factor_ptr + row)) * softmax_scale
-    first = tl.load(query_at, mask=query_mask, other=0.0).to(tl.float32) * scale
-    second = tl.load(query_at + HALF, mask=query_mask, other=0.0).to(tl.float32) * scale
-    near_angle = tl.full([GROUP_PAD], position, tl.float64)
-    near_first, near_second = rotate_pair(first, second, near_angle, theta)
-    far_angle = tl.full([GROUP_PAD], far_query_position(position, window, leak, group), tl.float64)
-    far_first, far_second = rotate_pair(first, second, far_angle, theta)
-
-    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    out_first = tl.zeros([GROUP_PAD, HALF_PAD], tl.float32)
-    out_second = tl.zeros([GROUP_PAD, HALF_PAD], tl.float32)
+    heads = kv_head * QUERIES_PER_KV + tl.arange(0, QUERIES_PER_KV_PAD)
+    is_head = tl.arange(0, QUERIES_PER_KV_PAD) < QUERIES_PER_KV
+    query_mask = is_head[:, None] & (pairs < HALF)[None, :]
+    position = tl.full([QUERIES_PER_KV_PAD], seq_len - 1, tl.int32)  # every head's query is the row's last token
+    near_query, far_query = rotated_queries(query_ptr + token * stride_qt + heads[:, None] * stride_qh + pairs[None, :],
+                                            query_mask, position, softmax_scale, rule, HALF, tl.float32)
+    cache = row_cache(cache_ptr, block_table_ptr, row, kv_head, stride_cb, stride_ch, stride_cs, stride_bt)
     split_start = split * split_keys
-    split_end = tl.minimum(seq_len, split_start + split_keys)
-    for first_key in range(split_start, split_end, KEY_TILE):
-        key_position = first_key + tl.arange(0, KEY_TILE)
-        in_split = key_position < split_end
-        key_at = paged_keys(cache_ptr, block_table_ptr + row * stride_bt, key_position, in_split, kv_head, pairs,
-                            stride_cb, stride_ch, stride_cs, BLOCK_SIZE)
-        key_mask = in_split[:, None] & in_half[None, :]
-        key_first = tl.load(key_at, mask=key_mask, other=0.0).to(tl.float32)
-        key_second = tl.load(key_at + HALF, mask=key_mask, other=0.0).to(tl.float32)
-        near = position - key_position < window  # [KEY_TILE]
-        scores = tl.zeros([GROUP_PAD, KEY_TILE], tl.float32)
-        if (window > 0) & (position - (first_key + KEY_TILE - 1) < window):  # some key is near
-            rotated_first, rotated_second = rotate_pair(key_first, key_second, key_position.to(tl.float64), theta)
-            near_scores = tl.sum(near_first[:, None, :] * rotated_first[None, :, :], axis=2)
-            near_scores += tl.sum(near_second[:, None, :] * rotated_second[None, :, :], axis=2)
-            scores = tl.where(near[None, :], near_scores, scores)
-        if position - first_key >= window:  # some key is far
-            far_key_first, far_key_second = far_keys(key_first, key_second, key_position, leak, group, theta)
-            far_scores = tl.sum(far_first[:, None, :] * far_key_first[None, :, :], axis=2)
-            far_scores += tl.sum(far_second[:, None, :] * far_key_second[None, :, :], axis=2)
-            scores = tl.where(near[None, :], scores, far_scores)
-        scores = tl.where(in_split[None, :], scores, float("-inf"))
-
-        tile_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - tile_max)
-        weights = tl.exp(scores - tile_max[:, None])
-        running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        value_first = tl.load(key_at + 2 * HALF, mask=key_mask, other=0.0).to(tl.float32)
-        value_second = tl.load(key_at + 3 * HALF, mask=key_mask, other=0.0).to(tl.float32)
-        out_first = out_first * correction[:, None] + tl.sum(weights[:, :, None] * value_first[None, :, :], axis=1)
-        out_second = out_second * correction[:, None] + tl.sum(weights[:, :, None] * value_second[None, :, :], axis=1)
-        running_max = tile_max
+    running_max, running_sum, out = attend_key_tiles(near_query, far_query, position, rule, split_start,
+                                                     tl.minimum(seq_len, split_start + split_keys), cache, HALF,
+                                                     KEY_TILE, BLOCK_SIZE, False, None)
 
     # an empty split (past the row's end) leaves a zero output and a log-sum-exp of -inf
     has_keys = running_sum > 0
     normaliser = tl.where(has_keys, running_sum, 1.0)
     partial_at = (partial_ptr + decode_row * stride_pr + heads[:, None] * stride_ph + split * stride_ps
                   + pairs[None, :])
-    tl.store(partial_at, out_first / normaliser[:, None], mask=query_mask)
-    tl.store(partial_at + HALF, out_second / normaliser[:, None], mask=query_mask)
+    tl.store(partial_at, out[0] / normaliser[:, None], mask=query_mask)
+    tl.store(partial_at + HALF, out[1] / normaliser[:, None], mask=query_mask)
     lse = tl.where(has_keys, running_max + tl.log(normaliser), float("-inf"))
-    tl.store(lse_ptr + decode_row * stride_lr + heads * stride_lh + split, lse, mask=in_group)
+    tl.store(lse_ptr + decode_row * stride_lr + heads * stride_lh + split, lse, mask=is_head)
 
 
 @triton.jit
-def decode_reduce_kernel(out_ptr, partial_ptr, lse_ptr, query_start_ptr, decode_rows_ptr, splits, stride_ot,
-                         stride_oh, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, HEAD: tl.constexpr,
-                         HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def decode_reduce_kernel(
+    # outputs
+    out_ptr,  # [T, heads, d]
+    # inputs
+    partial_ptr, lse_ptr,  # decode_split_kernel's outputs
+    # the step's rows
+    query_start_ptr, decode_rows_ptr, splits,
+    # strides
+    stride_ot, stride_oh, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
+    # constexpr sizes
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
     decode_row = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_ptr + tl.load(decode_rows_ptr + decode_row)).to(tl.int64)
@@ -299,6 +393,24 @@ def decode_reduce_kernel(out_ptr, partial_ptr, lse_ptr, query_start_ptr, decode_
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD)
 
 
+# ---------------------------------------------------------------------------------------------
+# Launches
+# ---------------------------------------------------------------------------------------------
+
+
+def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Unrotated keys and values ``[T, kv, d]`` into their slots of ``kv_cache``
+    ``[blocks, kv, block, 2d]``; slots of -1 (padding) are skipped."""
+    tokens, kv_heads, head = key.shape
+    if tokens == 0:
+        return
+    write_cache_kernel[(tokens, kv_heads)](
+        cache_ptr=kv_cache, key_ptr=key, value_ptr=value, slot_ptr=slot_mapping,
+        stride_cb=kv_cache.stride(0), stride_ch=kv_cache.stride(1), stride_cs=kv_cache.stride(2),
+        stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
+        BLOCK_SIZE=kv_cache.shape[2], HEAD=head, HEAD_PAD=triton.next_power_of_2(head))
+
+
 def pairs_padded(head: int) -> int:
     """The rotation pairs ``d/2`` padded to a power of two, at least 16 (``tl.dot``'s minimum)."""
     return max(16, triton.next_power_of_2(head // 2))
@@ -310,21 +422,33 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+def attention_arguments(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan) -> dict:
+    """What both attention kernels take alike: the queries, the paged cache, the step's rows,
+    the row rule (KernelPlan's numbers) and the sizes."""
+    heads, head = query.shape[1], query.shape[2]
+    assert kv_cache.stride(-1) == 1 and query.stride(-1) == 1, "the kernels read rows of d contiguous values"
+    return dict(
+        query_ptr=query, cache_ptr=kv_cache, block_table_ptr=plan.block_table,
+        query_start_ptr=plan.query_start, seq_lens_ptr=plan.seq_lens,
+        theta_ptr=plan.theta, window_ptr=plan.window, leak_ptr=plan.leak, group_ptr=plan.group,
+        log_n_length_ptr=plan.log_n_length, query_factor_ptr=plan.query_factor,
+        stride_qt=query.stride(0), stride_qh=query.stride(1), stride_cb=kv_cache.stride(0),
+        stride_ch=kv_cache.stride(1), stride_cs=kv_cache.stride(2), stride_bt=plan.block_table.stride(0),
+        stride_theta=plan.theta.stride(0),
+        BLOCK_SIZE=kv_cache.shape[2], QUERIES_PER_KV=heads // kv_cache.shape[1], HALF=head // 2,
+        HALF_PAD=pairs_padded(head), KEY_TILE=KEY_TILE)
+
+
 def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
             scale: float) -> None:
     """Every prefill row's queries ``[T, heads, d]`` (unrotated) into ``output``."""
     tiles = plan.prefill_tiles
     if tiles is None:
         return
-    assert kv_cache.stride(-1) == 1 and query.stride(-1) == 1, "the kernels read rows of d contiguous values"
-    heads, head = query.shape[1], query.shape[2]
-    prefill_kernel[(tiles.row.numel(), heads)](
-        output, query, kv_cache, plan.block_table, plan.query_start, plan.seq_lens, plan.theta, plan.window,
-        plan.leak, plan.log_n_length, plan.query_factor, plan.group, tiles.row, tiles.start, scale, query.stride(0), query.stride(1),
-        output.stride(0), output.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        plan.block_table.stride(0), plan.theta.stride(0), BLOCK_SIZE=kv_cache.shape[2],
-        GROUP=heads // kv_cache.shape[1], HALF=head // 2, HALF_PAD=pairs_padded(head),
-        QUERY_TILE=tiles.size, KEY_TILE=KEY_TILE, PRECISION=dot_precision(query.dtype))
+    prefill_kernel[(tiles.row.numel(), query.shape[1])](
+        out_ptr=output, softmax_scale=scale, tile_row_ptr=tiles.row, tile_start_ptr=tiles.start,
+        stride_ot=output.stride(0), stride_oh=output.stride(1), QUERY_TILE=tiles.size,
+        PRECISION=dot_precision(query.dtype), **attention_arguments(query, kv_cache, plan))
 
 
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
@@ -334,18 +458,15 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output
     if rows is None:
         return
     count, (heads, head), kv_heads = rows.row.numel(), query.shape[1:], kv_cache.shape[1]
-    group = heads // kv_heads
     partial = torch.empty(count, heads, rows.splits, head, dtype=torch.float32, device=query.device)
     lse = torch.empty(count, heads, rows.splits, dtype=torch.float32, device=query.device)
     decode_split_kernel[(count, kv_heads, rows.splits)](
-        partial, lse, query, kv_cache, plan.block_table, plan.query_start, plan.seq_lens, plan.theta, plan.window,
-        plan.leak, plan.log_n_length, plan.query_factor, plan.group, rows.row, scale, rows.split_keys, query.stride(0), query.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), plan.block_table.stride(0), plan.theta.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        BLOCK_SIZE=kv_cache.shape[2], GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HALF=head // 2,
-        HALF_PAD=pairs_padded(head), KEY_TILE=KEY_TILE)
+        partial_ptr=partial, lse_ptr=lse, softmax_scale=scale, decode_rows_ptr=rows.row, split_keys=rows.split_keys,
+        stride_pr=partial.stride(0), stride_ph=partial.stride(1), stride_ps=partial.stride(2),
+        stride_lr=lse.stride(0), stride_lh=lse.stride(1),
+        QUERIES_PER_KV_PAD=triton.next_power_of_2(heads // kv_heads), **attention_arguments(query, kv_cache, plan))
     decode_reduce_kernel[(count, heads)](
-        output, partial, lse, plan.query_start, rows.row, rows.splits, output.stride(0), output.stride(1),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), HEAD=head,
-        HEAD_PAD=triton.next_power_of_2(head), SPLITS_PAD=triton.next_power_of_2(rows.splits))
-
+        out_ptr=output, partial_ptr=partial, lse_ptr=lse, query_start_ptr=plan.query_start, decode_rows_ptr=rows.row,
+        splits=rows.splits, stride_ot=output.stride(0), stride_oh=output.stride(1), stride_pr=partial.stride(0),
+        stride_ph=partial.stride(1), stride_ps=partial.stride(2), stride_lr=lse.stride(0), stride_lh=lse.stride(1),
+        HEAD=head, HEAD_PAD=triton.next_power_of_2(head), SPLITS_PAD=triton.next_power_of_2(rows.splits))
