@@ -48,7 +48,7 @@ def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str)
     from vllm import LLM, SamplingParams
 
     from rope_plugins.frontend.engine_args import engine_kwargs, extension_request
-    from rope_plugins.rules.settings import engine_defaults
+    from rope_plugins.rules.settings import engine_defaults, parse_settings
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     text_ids = real_text_ids(tokenizer)
@@ -65,7 +65,8 @@ def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str)
         params = [SamplingParams(max_tokens=1, prompt_logprobs=0), SamplingParams(max_tokens=64, temperature=0.0)]
         if plugin:
             defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
-            built = [extension_request(p, sp, {"method": "none"}, defaults) for p, sp in zip(prompts, params)]
+            built = [extension_request(p, sp, parse_settings({"method": "none"}, defaults))
+                     for p, sp in zip(prompts, params)]
             prompts, params = [b[0] for b in built], [b[1] for b in built]
         scored, answered = llm.generate(prompts, params, use_tqdm=False)
     finally:

@@ -39,7 +39,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs, extension_request
-    from rope_plugins.rules.settings import engine_defaults
+    from rope_plugins.rules.settings import engine_defaults, parse_settings
     from rope_plugins.server.provision import provision_default_model
 
     model = str(provision_default_model())
@@ -61,7 +61,7 @@ def main() -> None:
             from bench.speed import BATCH_MIX  # this script's folder is on the path
 
             settings = [BATCH_MIX[i % len(BATCH_MIX)] for i in range(len(prompts))]
-        built = [extension_request(p, params, s, defaults) for p, s in zip(prompts, settings)]
+        built = [extension_request(p, params, parse_settings(s, defaults)) for p, s in zip(prompts, settings)]
         requests = [b[0] for b in built], [b[1] for b in built]
     llm.generate(*requests, use_tqdm=False)  # warm (and, with --cached, fill the prefix cache)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

@@ -106,13 +106,15 @@ class SideBySide:
         from vllm import SamplingParams
 
         from rope_plugins.frontend.engine_args import extension_request
+        from rope_plugins.rules.settings import parse_settings
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         if config == "stock":
             llm, prompt = self.stock, {"prompt_token_ids": ids}
         else:
             llm = self.plugin
-            prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, {"method": config}, self.defaults)
+            prompt, params = extension_request({"prompt_token_ids": ids}, params,
+                                               parse_settings({"method": config}, self.defaults))
         began = time.perf_counter()
         llm.generate([prompt], params, use_tqdm=False)
         return time.perf_counter() - began
@@ -273,12 +275,13 @@ class SpeedRun:
         from vllm import SamplingParams
 
         from rope_plugins.frontend.engine_args import extension_request
+        from rope_plugins.rules.settings import parse_settings
 
         engines = self.engines
         for rep in range(self.args.reps):
             prompts = [engines.prompt(rng, BATCH_LENGTH) for _ in BATCH_MIX]
             params = SamplingParams(max_tokens=BATCH_TOKENS, temperature=0.0, ignore_eos=True)
-            built = [extension_request({"prompt_token_ids": p}, params, f, engines.defaults)
+            built = [extension_request({"prompt_token_ids": p}, params, parse_settings(f, engines.defaults))
                      for p, f in zip(prompts, BATCH_MIX)]
             for name in (["plugin_mixed", "stock_plain"] if rep % 2 == 0 else ["stock_plain", "plugin_mixed"]):
                 began = time.perf_counter()

@@ -108,7 +108,7 @@ def plugin_generate(model_dir: str, ids: list[int], new_tokens: int, window: int
                               max_num_batched_tokens=max(max_len, 8192)))
     defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    prompt, params, _ = extension_request({"prompt_token_ids": ids}, params, None, defaults)
+    prompt, params = extension_request({"prompt_token_ids": ids}, params, defaults)
     llm.generate([{"prompt_token_ids": [5] * 16, "cache_salt": "warm-up"}], SamplingParams(max_tokens=2),
                  use_tqdm=False)
     began = time.perf_counter()

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
+from rope_plugins.server.admission import Capacity
 from rope_plugins.server.config import ServerConfig
 from rope_plugins.server.errors import install_error_handlers
 from rope_plugins.server.metrics import Metrics
@@ -41,22 +42,24 @@ async def stop_when_the_engine_fails(app: FastAPI, poll: float = 0.5) -> None:
     """Wait for the engine to fail (at start or later), let what was in flight fail, then stop
     serving so that the process exits with :data:`EXIT_ENGINE_FAILED`."""
     service: EngineService = app.state.service
+    capacity: Capacity = app.state.capacity
     while service.state != "failed":
         await asyncio.sleep(poll)
         service.health()  # notices an engine that died
         if service.state == "stopping":
             return
     logger.error("the engine failed (%s); failing the %d sequences in flight, then exiting with status %d so that "
-                 "a supervisor starts a new server", service.failure, service.in_flight, EXIT_ENGINE_FAILED)
+                 "a supervisor starts a new server", service.failure, capacity.in_flight, EXIT_ENGINE_FAILED)
     service.metrics.engine_gone()
     deadline = time.monotonic() + FAILING_GRACE_SECONDS
-    while service.in_flight and time.monotonic() < deadline:
+    while capacity.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(poll)
     app.state.stop_serving()
 
 
 def create_app(config: ServerConfig, model: str) -> FastAPI:
-    service = EngineService(config, Metrics())
+    metrics = Metrics()
+    service = EngineService(config, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -72,6 +75,7 @@ def create_app(config: ServerConfig, model: str) -> FastAPI:
     app = FastAPI(title="rope-extend-server", version=version("rope-extend-server"), lifespan=lifespan,
                   description="OpenAI-compatible serving past the training context, with per-request RoPE extension.")
     app.state.service, app.state.config = service, config
+    app.state.capacity = Capacity(config.max_num_seqs + config.max_waiting, metrics)
     # the entry point replaces this with its ASGI server's stop (tests build apps without one)
     app.state.stop_serving = lambda: logger.warning("the engine failed and nothing can stop this app")
     install_error_handlers(app)

@@ -1,4 +1,5 @@
-"""FastAPI dependencies: the engine service (ready, or 503) and the API key (401)."""
+"""FastAPI dependencies: the engine service (ready, or 503), the server's capacity and the API key
+(401); routes take the first two by their ``Annotated`` aliases."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from rope_plugins.server.admission import Capacity
 from rope_plugins.server.errors import invalid_api_key
 from rope_plugins.server.service import EngineService
 
@@ -24,6 +26,10 @@ def ready_service(request: Request) -> EngineService:
     return service
 
 
+def get_capacity(request: Request) -> Capacity:
+    return request.app.state.capacity
+
+
 async def require_api_key(request: Request) -> None:
     """With ``--api-key`` set, the /v1 routes need ``Authorization: Bearer <key>``."""
     expected = request.app.state.config.api_key
@@ -36,3 +42,7 @@ async def require_api_key(request: Request) -> None:
 
 # a route's engine service, ready (else 503)
 ReadyService = Annotated[EngineService, Depends(ready_service)]
+# the engine service in whatever state (for /health, /metrics and the playground's page)
+AnyService = Annotated[EngineService, Depends(get_service)]
+# the sequences in flight, for admission
+ServerCapacity = Annotated[Capacity, Depends(get_capacity)]

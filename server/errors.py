@@ -10,6 +10,7 @@ keep-alive connection.
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rope_plugins.server.schemas import ErrorBody, ErrorResponse, SamplingFields
+from rope_plugins.server.schemas import ErrorBody, ErrorResponse, HealthStatus, SamplingFields
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ STREAMED_RESPONSES: dict[int | str, dict[str, Any]] = {
                        "and the last event's data is [DONE]",
         "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}},
 }
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {503: {"model": HealthStatus}}
 # An error message quotes at most this much (of a field's value, of an exception's text).
 MESSAGE_LIMIT = 1000
 RETRY_AFTER_SECONDS = 1
@@ -65,6 +67,10 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    @property
+    def server_side(self) -> bool:
+        return self.status >= 500
 
 
 class ClientDisconnected(Exception):
@@ -121,6 +127,30 @@ def engine_refusal(error: Exception) -> APIError:
     return bad_request(f"{param}: {error}" if param else str(error), param=param)
 
 
+def vllm_error(error: dict[str, Any]) -> APIError:
+    """vLLM's error (its ``ErrorInfo`` as a dict) in this server's catalogue: the status it gave,
+    the field named as the API names it."""
+    status = error.get("code") if isinstance(error.get("code"), int) else 500
+    message = str(error.get("message") or "refused")
+    param = error.get("param")
+    param = API_PARAMS.get(param, param) if isinstance(param, str) and param else None
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return APIError(status, message, param=param)
+
+
+# how vLLM's refusals of a grammar begin (xgrammar's, its structured-output checks'): they name no field
+GRAMMAR_REFUSAL = re.compile(r"grammar|structured output|choice|regex|json schema|invalid type", re.IGNORECASE)
+
+
+def named(error: APIError, constraint: str | None) -> APIError:
+    """A refusal that names no field but is about the request's grammar names the field that
+    gave it (``response_format``, ``structured_outputs`` or ``tools``)."""
+    if error.param is None and error.status == 400 and constraint and GRAMMAR_REFUSAL.search(error.message):
+        error.param, error.message = constraint, f"{constraint}: {error.message}"
+    return error
+
+
 def invalid_api_key() -> APIError:
     return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
@@ -147,6 +177,15 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     error = ErrorBody(message=printable(message), type=kind, param=param and printable(param), code=code)
     return ErrorResponse(error=error).model_dump()
+
+
+def internal_error_body(error: Exception) -> dict[str, Any]:
+    return error_body(500, f"internal error: {type(error).__name__}")
+
+
+def health_status(healthy: bool) -> int:
+    """What /health answers: 200 while the engine serves, 503 otherwise."""
+    return 200 if healthy else 503
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,

@@ -20,7 +20,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("rope_extend_requests", "Finished requests by outcome", ["method", "outcome"], registry=r)
+        self.requests = Counter("rope_extend_requests", "Finished requests by outcome", ["method", "outcome"],
+                                registry=r)
         self.time_to_first_token = Histogram("rope_extend_time_to_first_token_seconds", "Time to first token",
                                              ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token_latency = Histogram("rope_extend_inter_token_latency_seconds",

@@ -10,11 +10,12 @@ parsers, structured outputs, sampling fields, log-probabilities and streaming fo
   every engine request its resolved ``context_extension`` settings and measures it;
 - the renderer is :class:`ExtensionRenderer` (vLLM's ``OnlineRenderer``), which checks each
   rendered prompt against this server's bounds and resolves its settings before anything
-  reaches the engine, so that bad input is a 400 before a stream starts.
+  reaches the engine (:func:`rope_plugins.server.checks.check_rendered`), so that bad input is a
+  400 before a stream starts.
 
 Why mount rather than rewrite: these classes are what ``vllm serve`` runs, so every OpenAI field
 vLLM honours is honoured here the same way, and the project writes none of it by hand. These are
-internal APIs of the pinned vLLM (0.32); ``tests/test_openai_surface.py`` exercises the seam.
+internal APIs of the pinned vLLM (0.32); ``tests/server/test_server.py`` exercises the seam.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.exceptions import VLLMValidationError
 from vllm.renderers.online_renderer import OnlineRenderer
 
+from rope_plugins.server.checks import check_rendered, check_text_length
 from rope_plugins.server.errors import API_PARAMS, bad_request, context_length_exceeded
+from rope_plugins.server.extension import carry_settings
 
 if TYPE_CHECKING:
     from rope_plugins.server.service import EngineService
@@ -48,38 +51,47 @@ class ExtensionRenderer(OnlineRenderer):
     """vLLM's renderer (chat templates with tools, tokenizing), then this server's checks on
     each rendered prompt: its length and completion within the served context, the
     log-probability budget, and its ``context_extension`` settings, resolved for the positions
-    it occupies (:meth:`EngineService.check_rendered`). A refusal raises ``APIError`` (400)."""
+    it occupies (:func:`check_rendered`), then carried to the engine. A refusal raises ``APIError`` (400)."""
 
     def __init__(self, service: EngineService, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.service = service
 
     async def render_chat(self, request, **kwargs):
-        self.service.check_text_length(messages_characters(request.messages), "messages")
+        check_text_length(messages_characters(request.messages), self.service.bounds, "messages")
         with refusals_named("messages", self.service.config.max_model_len):
             result = await super().render_chat(request, **kwargs)
         if not isinstance(result, ErrorResponse):
-            self.service.check_rendered(request, result[1], prompt_param="messages")
+            self.checked(request, result[1], prompt_param="messages")
         return result
 
     async def render_completion(self, request, **kwargs):
         prompts = request.prompt if isinstance(request.prompt, list) else [request.prompt]
         for text in prompts:
             if isinstance(text, str):
-                self.service.check_text_length(len(text), "prompt")
+                check_text_length(len(text), self.service.bounds, "prompt")
         with refusals_named("prompt", self.service.config.max_model_len):
             result = await super().render_completion(request, **kwargs)
         if not isinstance(result, ErrorResponse):
-            self.service.check_rendered(request, result, prompt_param="prompt")
+            self.checked(request, result, prompt_param="prompt")
         return result
 
     async def render_responses(self, request, **kwargs):
-        self.service.check_text_length(len(str(request.input)) + len(request.instructions or ""), "input")
+        check_text_length(len(str(request.input)) + len(request.instructions or ""), self.service.bounds, "input")
         with refusals_named("input", self.service.config.max_model_len):
             result = await super().render_responses(request, **kwargs)
         if not isinstance(result, ErrorResponse):
-            self.service.check_rendered(request, [result.engine_input], prompt_param="input")
+            self.checked(request, [result.engine_input], prompt_param="input")
         return result
+
+    def checked(self, request: Any, engine_inputs: list[Any], prompt_param: str) -> None:
+        """The rendered request within bounds, its sampling as the engine will check it, and each
+        prompt's settings carried to the engine (and kept for the response)."""
+        applied, max_tokens = check_rendered(request, engine_inputs, prompt_param, self.service.bounds,
+                                             self.service.defaults)
+        if engine_inputs:
+            self.service.verify_sampling(request, max_tokens)
+        carry_settings(request, engine_inputs, applied)
 
 
 @contextlib.contextmanager

@@ -214,7 +214,8 @@ def provision_default_model(root: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rope_plugins.server.provision", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rope_plugins.server.provision",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=list(MODELS),
                         help=f"the model's short name (default {DEFAULT_MODEL})")
     args = parser.parse_args(argv)

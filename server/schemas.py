@@ -13,9 +13,18 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
-from rope_plugins.rules.settings import METHOD_NAMES, SELF_EXTEND_GROUPS, ExtensionSettings
+from rope_plugins.rules.settings import METHOD_NAMES, SELF_EXTEND_GROUPS, ExtensionSettings, MethodName
 
 # Bounds on what a request may ask for. Integers that reach the engine stay inside its int32
 # / int64 fields; lists and strings are bounded so that validation itself stays cheap.
@@ -66,26 +75,34 @@ def settings_field_schema(name: str, **extra: Any) -> WithJsonSchema:
 class ContextExtension(BaseModel):
     """Per-request RoPE extension (the ``context_extension`` body field; ``extra_body`` in the
     OpenAI clients). Unset fields take the server's defaults; checked fully by
-    :func:`rope_plugins.rules.settings.parse_settings` once the prompt length is known."""
+    :func:`rope_plugins.server.extension.resolve_extension` once the prompt length is known."""
 
+    # Each field is typed as a valid request has it, but only the object's shape is checked here
+    # (an object, no unknown field): its values are checked once, where the training length and
+    # the positions the prompt occupies are known, so that every bound is in one place
+    # (ExtensionSettings: strict, so log_n must be a bool) and every refusal names its field the
+    # same way. The schema documents what it accepts.
     model_config = ConfigDict(extra="forbid")
 
-    # typed and range-checked in one place, ExtensionSettings (strict: log_n must be a bool);
-    # the schema documents what it accepts
-    method: Annotated[Any, WithJsonSchema({"enum": ["auto", *METHOD_NAMES]})] = None
-    factor: Annotated[Any, WithJsonSchema({"anyOf": [settings_field_schema("factor").json_schema, {"const": "auto"}],
-                                           "description": "'auto': max(1, (prompt + max_tokens - 1) / train_length)"})] = None
-    window: Annotated[Any, settings_field_schema("window", description="smaller than train_length")] = None
-    leaky_k: Annotated[Any, settings_field_schema("leaky_k")] = None
-    beta: Annotated[Any, settings_field_schema("beta")] = None
-    group: Annotated[Any, settings_field_schema(
+    method: Annotated[MethodName | Literal["auto"] | None, SkipValidation,
+                      WithJsonSchema({"enum": ["auto", *METHOD_NAMES]})] = None
+    factor: Annotated[float | Literal["auto"] | None, SkipValidation, WithJsonSchema(
+        {"anyOf": [settings_field_schema("factor").json_schema, {"const": "auto"}],
+         "description": "'auto': max(1, (prompt + max_tokens - 1) / train_length)"})] = None
+    window: Annotated[int | None, SkipValidation, settings_field_schema(
+        "window", description="smaller than train_length")] = None
+    leaky_k: Annotated[float | None, SkipValidation, settings_field_schema("leaky_k")] = None
+    beta: Annotated[float | None, SkipValidation, settings_field_schema("beta")] = None
+    group: Annotated[int | None, SkipValidation, settings_field_schema(
         "group", description=f"Self-Extend's group size: one of {', '.join(map(str, SELF_EXTEND_GROUPS))}")] = None
-    log_n: Annotated[Any, settings_field_schema("log_n")] = None
-    train_length: Annotated[Any, settings_field_schema(
-        "train_length", description="at most the longer of the served context and the checkpoint's training length")] = None
+    log_n: Annotated[bool | None, SkipValidation, settings_field_schema("log_n")] = None
+    train_length: Annotated[int | None, SkipValidation, settings_field_schema(
+        "train_length", description="at most the longer of the served context and the checkpoint's training "
+                                    "length")] = None
 
     def fields(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        """The fields the request sets (read as given: a value of another type is the resolution's to refuse)."""
+        return {name: getattr(self, name) for name in type(self).model_fields if getattr(self, name) is not None}
 
 
 # Requests are validated strictly (1.0 is not an integer, 0 is not false), as the schema says.
@@ -149,9 +166,6 @@ class SamplingFields(BaseModel):
         """The request as vLLM's own request model reads it: the fields the client set, less
         this server's own and the ignored ones."""
         return self.model_dump(exclude_unset=True, exclude={"context_extension", *IGNORED_FIELDS})
-
-    def extension_fields(self) -> dict[str, Any]:
-        return self.context_extension.fields() if self.context_extension else {}
 
 
 class TextPart(BaseModel):
@@ -313,9 +327,6 @@ class ResponsesRequest(BaseModel):
     def vllm_fields(self) -> dict[str, Any]:
         # store: vLLM would keep the response for previous_response_id, which this server refuses
         return {**self.model_dump(exclude_unset=True, exclude={"context_extension", *IGNORED_FIELDS}), "store": False}
-
-    def extension_fields(self) -> dict[str, Any]:
-        return self.context_extension.fields() if self.context_extension else {}
 
 
 class TokenizeRequest(BaseModel):

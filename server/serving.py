@@ -3,7 +3,7 @@ models (:mod:`server.schemas`), admitted, handed to vLLM's serving class as vLLM
 model, and its answer returned whole or streamed, with the settings applied in a header.
 
 vLLM answers a refusal as an ``ErrorResponse`` value, or, once a stream has begun, as an error
-event; both become this server's one error catalogue here (:func:`refusal`). A stream is held
+event; both become this server's one error catalogue (:func:`refusal`). A stream is held
 back until its first event, so that what the engine refuses on admission (a grammar it cannot
 compile, say) is a 400 like any other, not an event after a 200.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -26,17 +25,20 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from rope_plugins.server.admission import Capacity
 from rope_plugins.server.errors import (
-    API_PARAMS,
     APIError,
     ClientDisconnected,
     engine_refusal,
     engine_unavailable,
-    error_body,
+    internal_error_body,
     log_failure,
+    named,
     validation_error,
+    vllm_error,
 )
-from rope_plugins.server.service import REQUESTED_KEY, EngineService, applied_settings
+from rope_plugins.server.extension import REQUESTED_ATTRIBUTE, applied_settings
+from rope_plugins.server.service import EngineService
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,26 +48,26 @@ Handler = Callable[[Any, Request], Awaitable[Any]]
 
 
 def vllm_request(body: Any, model: type[BaseModel]) -> Any:
-    """``body`` as vLLM's request ``model``, carrying its context_extension fields for the engine
-    (:data:`rope_plugins.server.service.REQUESTED_KEY`); vLLM's own checks of a nested object (a tool, a
-    response format) are a 400 naming the field."""
+    """``body`` as vLLM's request ``model``, carrying its typed ``context_extension`` to the
+    renderer's checks, where it is resolved (:mod:`rope_plugins.server.extension`); vLLM's own
+    checks of a nested object (a tool, a response format) are a 400 naming the field."""
     try:
         request = model.model_validate(body.vllm_fields())
     except ValidationError as error:
         raise validation_error(RequestValidationError(error.errors())) from None
     except VLLMValidationError as error:  # raised by its validators, as they are not ValueErrors
         raise named(engine_refusal(error), body.constraint_field()) from None
-    request.vllm_xargs = {REQUESTED_KEY: body.extension_fields()}
+    setattr(request, REQUESTED_ATTRIBUTE, body.context_extension)
     return request
 
 
-async def serve(request: Request, service: EngineService, handler: Handler, body: Any, vllm_body: Any,
-                sequences: int, sequences_param: str, to_events: Callable[[Any], AsyncIterator[str]] | None = None
-                ) -> Response:
+async def serve(request: Request, service: EngineService, capacity: Capacity, handler: Handler, body: Any,
+                vllm_body: Any, sequences: int, sequences_param: str,
+                to_events: Callable[[Any], AsyncIterator[str]] | None = None) -> Response:
     """Admit ``sequences`` (prompts x n), run vLLM's ``handler`` and answer: the collected body
     with the applied settings added, or the event stream once its first event is in; the
     admission is released when the answer is done, however it ends."""
-    admission = service.admit(sequences, param=sequences_param)
+    admission = capacity.admit(sequences, param=sequences_param)
     try:
         result = await unless_disconnected(request, started(service, handler(vllm_body, request), to_events,
                                                             request.url.path, body.constraint_field()))
@@ -133,32 +135,15 @@ def error_in(event: str) -> dict[str, Any] | None:
 
 
 def refusal(service: EngineService, error: dict[str, Any]) -> APIError:
-    """vLLM's error (its ``ErrorInfo`` as a dict) in this server's catalogue: the status it
-    gave, the field named as the API names it; a server error after the engine died is a 503."""
-    status = error.get("code") if isinstance(error.get("code"), int) else 500
-    message = str(error.get("message") or "refused")
-    if status >= 500:
+    """vLLM's error (its ``ErrorInfo`` as a dict) in this server's catalogue; a server error after
+    the engine died is the engine's unavailability."""
+    refused = vllm_error(error)
+    if refused.server_side:
         healthy, reason = service.health()
         if not healthy:
             return engine_unavailable(reason)
-        logger.warning("vLLM answered %d: %s", status, message[:300])
-    param = error.get("param")
-    param = API_PARAMS.get(param, param) if isinstance(param, str) and param else None
-    if param and not message.startswith(param):
-        message = f"{param}: {message}"
-    return APIError(status, message, param=param)
-
-
-# how vLLM's refusals of a grammar begin (xgrammar's, its structured-output checks'): they name no field
-GRAMMAR_REFUSAL = re.compile(r"grammar|structured output|choice|regex|json schema|invalid type", re.IGNORECASE)
-
-
-def named(error: APIError, constraint: str | None) -> APIError:
-    """A refusal that names no field but is about the request's grammar names the field that
-    gave it (``response_format``, ``structured_outputs`` or ``tools``)."""
-    if error.param is None and error.status == 400 and constraint and GRAMMAR_REFUSAL.search(error.message):
-        error.param, error.message = constraint, f"{constraint}: {error.message}"
-    return error
+        logger.warning("vLLM answered %d: %s", refused.status, str(error.get("message") or "refused")[:300])
+    return refused
 
 
 def settings_header(vllm_body: Any) -> dict[str, str]:
@@ -196,4 +181,4 @@ async def responses_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
         yield f"event: error\ndata: {json.dumps(error.body())}\n\n"
     except Exception as error:
         logger.exception("internal error in a Responses stream")
-        yield f"event: error\ndata: {json.dumps(error_body(500, f'internal error: {type(error).__name__}'))}\n\n"
+        yield f"event: error\ndata: {json.dumps(internal_error_body(error))}\n\n"

@@ -18,17 +18,7 @@ from vllm import SamplingParams
 
 from rope_plugins.plugin import ATTENTION_OPS, FAMILIES, OPS_KEY, extended_architecture
 from rope_plugins.rules.checkpoint import UnsupportedCheckpoint, checkpoint_rotary
-from rope_plugins.rules.settings import (
-    AUTO,
-    CONFIG_KEY,
-    EXTRA_ARGS_KEY,
-    SALTED_KEY,
-    ExtensionSettings,
-    SettingsError,
-    parse_settings,
-    positions_used,
-    with_factor_resolved,
-)
+from rope_plugins.rules.settings import CONFIG_KEY, EXTRA_ARGS_KEY, SALTED_KEY, ExtensionSettings, parse_settings
 from rope_plugins.worker.requests import RequestSettingsAdmission, RequestSettingsTracker
 
 
@@ -96,7 +86,14 @@ def v2_model_runner() -> bool:
     return HAS_TRITON if chosen is None else chosen
 
 
-def plugin_engine_config(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
+def default_settings(model: str, fields: dict[str, Any] | None) -> ExtensionSettings:
+    """The engine's default settings for ``model``: ``fields`` (of ExtensionSettings) over each
+    field's own default at the checkpoint's training length; raises SettingsError."""
+    return parse_settings(fields, ExtensionSettings(train_length=checkpoint_facts(model)[1]))
+
+
+def plugin_engine_config(model: str, *, defaults: dict[str, Any] | ExtensionSettings | None = None,
+                         max_model_len: int | None = None,
                          attention_ops: str | None = None, hf_overrides: dict[str, Any] | None = None,
                          additional_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's own engine arguments that serve ``model`` with the plugin: ``hf_overrides`` (the
@@ -105,9 +102,9 @@ def plugin_engine_config(model: str, *, defaults: dict[str, Any] | None = None, 
     :mod:`rope_plugins.serve` prints as ``vllm serve`` flags; ``hf_overrides`` and
     ``additional_config`` given are kept under the plugin's keys.
 
-    ``defaults`` are the engine's extension settings (fields of ExtensionSettings), which
-    requests override. Serving past the checkpoint's ``max_position_embeddings`` needs an
-    extension method among the defaults.
+    ``defaults`` are the engine's extension settings (fields of ExtensionSettings, or the settings
+    :func:`default_settings` made), which requests override. Serving past the checkpoint's
+    ``max_position_embeddings`` needs an extension method among the defaults.
 
     ``attention_ops``: CUDA tensors always take the Triton kernels; ``"triton"`` runs them on
     CPU tensors too (under ``TRITON_INTERPRET=1``: the tests' way to check the GPU path here).
@@ -115,7 +112,8 @@ def plugin_engine_config(model: str, *, defaults: dict[str, Any] | None = None, 
     if attention_ops not in (None, *ATTENTION_OPS):
         raise ValueError(f"attention_ops must be one of {ATTENTION_OPS}, not {attention_ops!r}")
     architecture, train_length = checkpoint_facts(model)
-    settings = parse_settings(defaults, ExtensionSettings(train_length=train_length))
+    settings = defaults if isinstance(defaults, ExtensionSettings) else parse_settings(
+        defaults, ExtensionSettings(train_length=train_length))
     served = max_model_len or train_length
     if served > train_length and settings.is_plain_rope:
         raise ValueError(
@@ -138,8 +136,8 @@ def settings_processor(v1: type, v2: type) -> type:
     return v2 if v2_model_runner() else v1
 
 
-def engine_kwargs(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
-                  attention_ops: str | None = None, **engine: Any) -> dict[str, Any]:
+def engine_kwargs(model: str, *, defaults: dict[str, Any] | ExtensionSettings | None = None,
+                  max_model_len: int | None = None, attention_ops: str | None = None, **engine: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` serving ``model`` with the plugin
     (:func:`plugin_engine_config`; ``engine`` is passed on), each request taking its own settings.
 
@@ -163,17 +161,11 @@ def salted_prompt(prompt: dict[str, Any], settings: ExtensionSettings) -> dict[s
     return {**prompt, "cache_salt": salt}
 
 
-def extension_request(prompt: dict[str, Any], params: SamplingParams, fields: dict[str, Any] | None,
-                      defaults: ExtensionSettings) -> tuple[dict[str, Any], SamplingParams, ExtensionSettings]:
-    """A request under ``defaults`` overridden by ``fields``: validated completely (raises
-    SettingsError), the prompt salted for the prefix cache, the settings in ``extra_args``.
-    ``factor: "auto"`` is sized here to the prompt's token ids and ``max_tokens``."""
-    if isinstance(fields, dict) and fields.get("factor") == AUTO:
-        if "prompt_token_ids" not in prompt:
-            raise SettingsError("factor", f"{AUTO!r} needs the prompt as token ids (prompt_token_ids) to size it")
-        positions = positions_used(len(prompt["prompt_token_ids"]), params.max_tokens or 0)
-        fields = with_factor_resolved(fields, positions, defaults)
-    settings = parse_settings(fields, defaults)
+def extension_request(prompt: dict[str, Any], params: SamplingParams,
+                      settings: ExtensionSettings) -> tuple[dict[str, Any], SamplingParams]:
+    """A request under ``settings``, resolved already (``parse_settings`` over the engine's
+    defaults; the project's server: ``resolve_extension``): the prompt salted for the prefix
+    cache, the settings in ``extra_args``, where the workers read them."""
     params = params.clone()
     params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: settings.model_dump()}
-    return salted_prompt(prompt, settings), params, settings
+    return salted_prompt(prompt, settings), params

@@ -1,9 +1,10 @@
 """One typed, validated settings object for every context-extension method.
 
-The same object is built from server flags (the defaults), from a request's
-``context_extension`` body field and from ``SamplingParams.extra_args``; a bad value
-raises :class:`SettingsError`, which names the field and says why. The methods and the fields
-each one uses come from :data:`rope_plugins.rules.methods.METHODS`.
+The same object is built from the engine's defaults, from a request's settings resolved at the
+edge (the project's server: :func:`rope_plugins.server.extension.resolve_extension`, which holds
+both meanings of ``auto``) and from ``SamplingParams.extra_args``; a bad value raises
+:class:`SettingsError`, which names the field and says why. The methods and the fields each one
+uses come from :data:`rope_plugins.rules.methods.METHODS`.
 
 A request's settings travel in ``SamplingParams.extra_args``: as one object under
 ``EXTRA_ARGS_KEY`` (what the project's server writes), or as flat ``context_extension.<field>``
@@ -34,7 +35,7 @@ from rope_plugins.rules.methods import METHODS
 MethodName = Literal[tuple(METHODS)]
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
 
-AUTO = "auto"  # a factor sized to the request at admission (length_factor)
+AUTO = "auto"  # a method or factor chosen per request at the edge (rope_plugins.server.extension)
 EXTRA_ARGS_KEY = "context_extension"  # SamplingParams.extra_args key of a request's settings
 CONFIG_KEY = "rope_extension"  # hf_config attribute (set through hf_overrides): the engine's defaults
 # extra_args keys "context_extension.<field>": one field each (vllm_xargs, which takes no objects)
@@ -163,11 +164,6 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
         raise SettingsError(field, _readable(first)) from None
 
 
-def is_train_length(value: Any) -> bool:
-    """Whether a request's raw ``train_length`` is valid (before :func:`parse_settings` says why not)."""
-    return type(value) is int and 1 < value <= MAX_POSITIONS
-
-
 def positions_used(prompt_tokens: int, max_tokens: int) -> int:
     """How many positions a request's tokens occupy: the prompt's and every generated token's
     but the last, which is sampled and never run through the model. A request with
@@ -180,19 +176,6 @@ def length_factor(positions: int, train_length: int) -> float:
     ``max(1, positions / L)``; 1 inside the training length, where every frequency method is
     then plain RoPE."""
     return max(1.0, positions / train_length)
-
-
-def with_factor_resolved(fields: dict[str, Any], positions: int, defaults: ExtensionSettings) -> dict[str, Any]:
-    """``fields`` with ``factor: "auto"`` replaced by :func:`length_factor` for a request
-    spanning ``positions``, at its training length (its own ``train_length``, else the
-    defaults'). What the engine runs, the response reports and the prefix cache is salted by is
-    that number, never "auto"."""
-    if not isinstance(fields, dict) or fields.get("factor") != AUTO:
-        return fields
-    train_length = fields.get("train_length", defaults.train_length)
-    if not is_train_length(train_length):
-        return {name: value for name, value in fields.items() if name != "factor"}  # train_length's error is the one
-    return {**fields, "factor": length_factor(positions, train_length)}
 
 
 def request_fields(params: Any) -> Any:
@@ -211,6 +194,12 @@ def request_fields(params: Any) -> Any:
     if type(flat.get("log_n")) is int and flat["log_n"] in (0, 1):
         flat["log_n"] = bool(flat["log_n"])
     return flat
+
+
+def request_settings(params: Any, defaults: ExtensionSettings) -> ExtensionSettings:
+    """A request's settings as they travel in its ``SamplingParams`` (:func:`request_fields`),
+    over the engine's ``defaults``; raises :class:`SettingsError`."""
+    return parse_settings(request_fields(params), defaults)
 
 
 def validate_request_fields(fields: Any) -> None:
@@ -234,4 +223,6 @@ def _readable(error: dict[str, Any]) -> str:
         return f"must be a number from {MIN_FACTOR:g} to {MAX_FACTOR:g} or {AUTO!r} (got {_shown(error.get('input'))})"
     if error["type"] == "literal_error":
         return f"unknown method {_shown(error['input'])}; choose one of {', '.join(METHOD_NAMES)}"
-    return f"{message} (got {_shown(error.get('input'))})" if "input" in error and error["type"] != "value_error" else message
+    if "input" in error and error["type"] != "value_error":
+        return f"{message} (got {_shown(error.get('input'))})"
+    return message

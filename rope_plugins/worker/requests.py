@@ -15,11 +15,12 @@ loop over requests. vLLM has two runners and each tells a different object about
 
 :func:`step_tables` gives the builder the step's rows in batch order on either runner. Bad
 settings are refused at admission by ``validate_params``: the tracker's on V1,
-:class:`RequestSettingsAdmission`'s on V2. Both admit any valid settings, for a front end that
-salts each request's prefix cache by its settings (``engine_kwargs``' callers); under stock
-``vllm serve`` :mod:`rope_plugins.serve`'s subclasses admit only what cannot share blocks
-computed under other settings. :func:`check_settings_policy` refuses, at engine start, an
-engine guarded by neither.
+:class:`RequestSettingsAdmission`'s on V2; here they are only deserialised from ``extra_args``
+over the engine's default, under one guard (:meth:`RequestRows.add`). Both admit any valid
+settings, for a front end that salts each request's prefix cache by its settings
+(``engine_kwargs``' callers); under stock ``vllm serve`` :mod:`rope_plugins.serve`'s subclasses
+admit only what cannot share blocks computed under other settings.
+:func:`check_settings_policy` refuses, at engine start, an engine guarded by neither.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from rope_plugins.rules.settings import (
     ExtensionSettings,
     SettingsError,
     engine_defaults,
-    parse_settings,
     request_fields,
+    request_settings,
     validate_request_fields,
 )
 
@@ -98,22 +99,21 @@ class RequestRows:
     def _values(self, settings: ExtensionSettings) -> RowValues:
         return cached_row_values(settings, self.rotary)
 
-    def resolve(self, params: SamplingParams) -> ExtensionSettings:
-        try:
-            return parse_settings(request_fields(params), self.defaults)
-        except SettingsError as error:  # only reachable when bypassing the front end's check
-            logger.warning("request settings rejected in the worker (%s); using the engine defaults", error)
-            return self.defaults
-
     def add(self, row: int, params: SamplingParams) -> None:
-        """The row's settings; any failure falls back to the engine defaults, since an
-        exception here would kill the engine and every request in it."""
-        settings = self.resolve(params)
+        """The row's settings, deserialised as admission let them in, and its table values.
+        The engine's one guard: any failure (settings that bypassed admission, a value that passed
+        it and still fails) runs the row on the engine defaults, since an exception here would
+        kill the engine and every request in it."""
+        settings = None
         try:
+            settings = request_settings(params, self.defaults)
             values = self._values(settings)
+        except SettingsError as error:
+            logger.warning("request settings rejected in the worker (%s); using the engine defaults", error)
+            settings, values = self.defaults, self._values(self.defaults)
         except Exception:
             logger.exception("request settings %s failed in the worker; using the engine defaults",
-                             settings.canonical())
+                             settings.canonical() if settings is not None else "(unreadable)")
             settings, values = self.defaults, self._values(self.defaults)
         self.settings[row] = settings
         self.tables.write(row, values)
@@ -223,8 +223,8 @@ def check_settings_policy(vllm_config) -> None:
     ours = [cls for cls in configured_processors(vllm_config)
             if isinstance(cls, type) and issubclass(cls, (RequestSettingsTracker, RequestSettingsAdmission))]
     if not ours:
-        raise ValueError("rope_plugins: the engine has no request-settings processor; build it with "
-                         f"rope_plugins.frontend.engine_args.engine_kwargs(...), or under vllm serve pass {SERVE_FLAGS}")
+        raise ValueError("rope_plugins: the engine has no request-settings processor; build it with rope_plugins."
+                         f"frontend.engine_args.engine_kwargs(...), or under vllm serve pass {SERVE_FLAGS}")
     if any(cls.guards_prefix_cache for cls in ours):
         return
     if vllm_config.cache_config.enable_prefix_caching and not (vllm_config.additional_config or {}).get(SALTED_KEY):

@@ -9,7 +9,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletionRequest
 
-from rope_plugins.server.dependencies import ReadyService, require_api_key
+from rope_plugins.server.checks import check_model
+from rope_plugins.server.dependencies import ReadyService, ServerCapacity, require_api_key
 from rope_plugins.server.errors import STREAMED_RESPONSES
 from rope_plugins.server.schemas import Completion, CompletionRequest
 from rope_plugins.server.serving import serve, vllm_request
@@ -18,8 +19,8 @@ router = APIRouter(tags=["completions"], dependencies=[Depends(require_api_key)]
 
 
 @router.post("/v1/completions", response_model=Completion, responses=STREAMED_RESPONSES)
-async def completions(body: CompletionRequest, request: Request, service: ReadyService):
-    service.check_model(body.model)
+async def completions(body: CompletionRequest, request: Request, service: ReadyService, capacity: ServerCapacity):
+    check_model(body.model, service.model_name, service.model_path)
     prompts = len(body.prompts())
-    return await serve(request, service, service.openai.completion.create_completion,
-                       body, vllm_request(body, VllmCompletionRequest), prompts * body.n, "n" if body.n > 1 else "prompt")
+    return await serve(request, service, capacity, service.openai.completion.create_completion, body,
+                       vllm_request(body, VllmCompletionRequest), prompts * body.n, "n" if body.n > 1 else "prompt")

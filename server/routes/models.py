@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from rope_plugins.server.dependencies import ready_service, require_api_key
+from rope_plugins.server.dependencies import ReadyService, require_api_key
 from rope_plugins.server.errors import ERROR_RESPONSES
 from rope_plugins.server.schemas import ModelCard, ModelList, RotaryCard
-from rope_plugins.server.service import EngineService
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
-async def list_models(service: EngineService = Depends(ready_service)) -> ModelList:
+async def list_models(service: ReadyService) -> ModelList:
     rotary = service.rotary
     return ModelList(data=[ModelCard(
         id=service.model_name, created=service.created, root=service.model_path,

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
 from rope_plugins.rules.methods import METHODS
 from rope_plugins.server.config import AUTO, ServerConfig
-from rope_plugins.server.dependencies import get_service
-from rope_plugins.server.service import EngineService
+from rope_plugins.server.dependencies import AnyService
 
 PAGE = Path(__file__).resolve().parent.parent / "playground"
 ASSETS_AT = "/playground/static"  # the page's script and style (index.html names them)
@@ -35,7 +34,7 @@ async def page() -> FileResponse:
 
 
 @router.get("/playground/setup.json", response_model=PlaygroundSetup)
-async def setup(service: EngineService = Depends(get_service)) -> PlaygroundSetup:
+async def setup(service: AnyService) -> PlaygroundSetup:
     config: ServerConfig = service.config
     methods = {AUTO: [], **{name: list(method.fields) for name, method in METHODS.items()}}
     return PlaygroundSetup(methods=methods, default_method=config.method)

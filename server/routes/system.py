@@ -11,8 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest as VllmDetokenizeRequest
 
-from rope_plugins.server.dependencies import get_service, ready_service, require_api_key
-from rope_plugins.server.errors import ERROR_RESPONSES
+from rope_plugins.server.checks import check_model
+from rope_plugins.server.dependencies import AnyService, ReadyService, ServerCapacity, require_api_key
+from rope_plugins.server.errors import ERROR_RESPONSES, HEALTH_RESPONSES, health_status
 from rope_plugins.server.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -20,19 +21,18 @@ from rope_plugins.server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from rope_plugins.server.service import EngineService
 from rope_plugins.server.serving import refusal
 
 router = APIRouter(tags=["system"])
 
 
-@router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
-async def health(service: EngineService = Depends(get_service)) -> JSONResponse:
+@router.get("/health", response_model=HealthStatus, responses=HEALTH_RESPONSES)
+async def health(service: AnyService) -> JSONResponse:
     """200 when the engine serves; 503 while it starts, after it failed (the process then
     exits), or while stopping."""
     healthy, reason = service.health()
     body = HealthStatus(status="ok" if healthy else "unavailable", detail=reason)
-    return JSONResponse(body.model_dump(), status_code=200 if healthy else 503)
+    return JSONResponse(body.model_dump(), status_code=health_status(healthy))
 
 
 @router.get("/version")
@@ -51,18 +51,19 @@ def _installed(name: str) -> bool:
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
-async def metrics(service: EngineService = Depends(get_service)) -> Response:
+async def metrics(service: AnyService) -> Response:
     """This server's ``rope_extend_*`` metrics, then vLLM's own ``vllm:*`` engine metrics (its
     stat logger's, in prometheus-client's default registry), which vLLM's dashboards read."""
     return Response(generate_latest(service.metrics.registry) + generate_latest(REGISTRY),
                     media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
-async def tokenize(body: TokenizeRequest, service: EngineService = Depends(ready_service)) -> TokenizeResponse:
+@router.post("/tokenize", response_model=TokenizeResponse, dependencies=[Depends(require_api_key)],
+             responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, service: ReadyService, capacity: ServerCapacity) -> TokenizeResponse:
     if body.model is not None:
-        service.check_model(body.model)
-    admission = service.admit(1, param="prompt")  # tokenizing a long text costs CPU like a request
+        check_model(body.model, service.model_name, service.model_path)
+    admission = capacity.admit(1, param="prompt")  # tokenizing a long text costs CPU like a request
     try:
         if body.messages is not None:
             messages = [message.for_template() for message in body.messages]
@@ -76,11 +77,10 @@ async def tokenize(body: TokenizeRequest, service: EngineService = Depends(ready
 
 @router.post("/detokenize", response_model=DetokenizeResponse, dependencies=[Depends(require_api_key)],
              responses=ERROR_RESPONSES)
-async def detokenize(body: DetokenizeRequest, request: Request,
-                     service: EngineService = Depends(ready_service)) -> DetokenizeResponse:
+async def detokenize(body: DetokenizeRequest, request: Request, service: ReadyService) -> DetokenizeResponse:
     """Token ids back to text, by vLLM's tokenization serving."""
     if body.model is not None:
-        service.check_model(body.model)
+        check_model(body.model, service.model_name, service.model_path)
     answer = await service.openai.tokenization.create_detokenize(
         VllmDetokenizeRequest(model=body.model, tokens=body.tokens), request)
     if not isinstance(answer, BaseModel) or hasattr(answer, "error"):

@@ -66,9 +66,10 @@ def run(llm, requests, defaults, max_tokens=NEW_TOKENS, prompt_logprobs=True, sa
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=0 if prompt_logprobs else None,
                             logprobs=0, ignore_eos=True)
-    built = [extension_request({"prompt_token_ids": ids}, params, fields, defaults) for ids, fields in requests]
-    prompts = [p if salted else {"prompt_token_ids": p["prompt_token_ids"]} for p, _, _ in built]
-    outputs = llm.generate(prompts, [sp for _, sp, _ in built], use_tqdm=False)
+    built = [extension_request({"prompt_token_ids": ids}, params, resolved(ids, fields, defaults, max_tokens))
+             for ids, fields in requests]
+    prompts = [p if salted else {"prompt_token_ids": p["prompt_token_ids"]} for p, _ in built]
+    outputs = llm.generate(prompts, [sp for _, sp in built], use_tqdm=False)
     results = []
     for (ids, _), output in zip(requests, outputs):
         tokens = list(output.outputs[0].token_ids)
@@ -80,6 +81,20 @@ def run(llm, requests, defaults, max_tokens=NEW_TOKENS, prompt_logprobs=True, sa
         results.append(Generation(tokens=tokens, logprobs=torch.tensor(logprobs, dtype=torch.float64),
                                   prompt_logprobs=prompt, cached_tokens=output.num_cached_tokens or 0))
     return results
+
+
+def resolved(ids: list[int], fields, defaults, max_tokens: int):
+    """A request's settings: ``fields`` over the engine's defaults; ``factor: "auto"`` sized to the
+    request by the server's one function (its defaults the engine's)."""
+    if isinstance(fields, dict) and fields.get("factor") == "auto":
+        from rope_plugins.rules.settings import positions_used
+        from rope_plugins.server.extension import ServerDefaults, resolve_extension
+        from rope_plugins.server.schemas import ContextExtension
+
+        server = ServerDefaults(flags={}, engine_default=defaults, auto_method=None, auto_log_n=True,
+                                served=defaults.train_length)
+        return resolve_extension(ContextExtension.model_validate(fields), server, positions_used(len(ids), max_tokens))
+    return parse_settings(fields, defaults)
 
 
 def assert_close_logprobs(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -142,19 +157,13 @@ def test_auto_factor_is_plain_rope_inside_training_and_sized_to_the_request_past
     """``factor: "auto"``: inside the training length every frequency method is plain RoPE (the
     oracle's ``none``); past it, the method at ``(prompt + max_tokens - 1) / train_length``, which is
     what the request's settings (and so its cache salt) carry."""
-    from vllm import SamplingParams
-
-    from rope_plugins.frontend.engine_args import extension_request
-
     train = engine_defaults.train_length
     inside, past = prompt(800, train - NEW_TOKENS - 40), prompt(801)
     requests = [(ids, {"method": method, "factor": "auto"}) for method in FREQUENCY_METHODS for ids in (inside, past)]
     results = run(full_engine, requests, engine_defaults)
     for result, (ids, fields) in zip(results, requests):
         factor = (len(ids) + NEW_TOKENS - 1) / train if ids is past else 1.0  # the last token takes no position
-        _, _, settings = extension_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=NEW_TOKENS), fields,
-                                           engine_defaults)
-        assert settings.factor == factor
+        assert resolved(ids, fields, engine_defaults, NEW_TOKENS).factor == factor
         expected = {"method": "none"} if ids is inside else {"method": fields["method"], "factor": factor}
         assert_matches_oracle(result, ids, expected, reference_model, engine_defaults)
 
@@ -236,7 +245,8 @@ def assert_none_equals_stock(plugin, stock, requests, defaults, what: str = "") 
     for (ids, _), stock_out, ours in zip(requests, theirs, run(plugin, requests, defaults)):
         stock_logprobs = torch.tensor([e[ids[i + 1]].logprob for i, e in enumerate(stock_out.prompt_logprobs[1:])],
                                       dtype=torch.float64)
-        torch.testing.assert_close(ours.prompt_logprobs, stock_logprobs, rtol=0, atol=1e-4, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(ours.prompt_logprobs, stock_logprobs, rtol=0, atol=1e-4,
+                                   msg=lambda m: f"{what}: {m}")
         assert list(stock_out.outputs[0].token_ids) == ours.tokens, what
     blocks = [llm.llm_engine.vllm_config.cache_config.num_gpu_blocks for llm in (plugin, stock)]
     assert blocks[0] == blocks[1], what

@@ -30,7 +30,7 @@ def test_none_equals_stock_vllm_on_real_text(real_model):
     from vllm import LLM, SamplingParams
 
     from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs, extension_request
-    from rope_plugins.rules.settings import engine_defaults
+    from rope_plugins.rules.settings import engine_defaults, parse_settings
 
     name, directory = real_model
     from transformers import AutoTokenizer
@@ -46,7 +46,7 @@ def test_none_equals_stock_vllm_on_real_text(real_model):
             prompt = {"prompt_token_ids": ids}
             if plugin:
                 defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
-                prompt, request_params, _ = extension_request(prompt, params, {"method": "none"}, defaults)
+                prompt, request_params = extension_request(prompt, params, parse_settings({"method": "none"}, defaults))
             [output] = llm.generate([prompt], request_params if plugin else params, use_tqdm=False)
         finally:
             llm.llm_engine.engine_core.shutdown()

@@ -134,8 +134,7 @@ def test_completion_with_token_logprobs_and_echo(client):
 
 def test_streaming_chat_with_usage_matches_the_plain_answer(client):
     plain = chat(client)
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                            temperature=0, max_tokens=24, stream=True,
+    stream = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=24, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -191,7 +190,8 @@ def test_auto_factor_is_sized_to_the_request_and_reported(client):
     max_tokens - 1) / train_length past it (the last token is sampled, never placed); the
     applied number is what the header reports."""
     inside = client.completions.with_raw_response.create(
-        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"context_extension": {"method": "yarn", "factor": "auto"}})
+        model=MODEL, prompt="Hello", max_tokens=2,
+        extra_body={"context_extension": {"method": "yarn", "factor": "auto"}})
     assert json.loads(inside.headers["x-context-extension"]) == {"method": "yarn", "factor": 1.0, "train_length": 8192}
     beyond = client.completions.with_raw_response.create(
         model=MODEL, prompt="Hello " * 40, max_tokens=24,
@@ -251,7 +251,8 @@ def test_parse_returns_the_pydantic_model_streamed_or_not_under_any_extension(cl
         assert json.loads(raw.headers["x-context-extension"])["method"] == extension["method"]
         parsed = raw.parse().choices[0].message.parsed
         assert isinstance(parsed, City) and parsed.name
-    schema = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True}}
+    schema = {"type": "json_schema",
+              "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True}}
     plain = client.chat.completions.create(model=MODEL, messages=messages, response_format=schema, max_tokens=48,
                                            temperature=0)
     stream = client.chat.completions.create(model=MODEL, messages=messages, response_format=schema, max_tokens=48,
@@ -364,6 +365,7 @@ def test_detokenize_and_vllm_engine_metrics(server, client):
 # ---- every request field: honoured (its effect seen), ignored (listed), or refused ------------
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+HI = [{"role": "user", "content": "hi"}]
 REPEAT = "a b a b a b a b a b a b"
 
 
@@ -475,7 +477,7 @@ def test_a_request_field_is_honoured(server, client, field):
 def test_ignored_fields_change_nothing_and_others_are_refused_by_name(server, client):
     ignored = dict(user="u-1", metadata={"k": "v"}, store=True, service_tier="auto")
     assert chat_text(greedy_chat(client, **ignored)) == chat_text(greedy_chat(client))
-    for field, (body, param) in REFUSED_HERE.items():
+    for body, param in REFUSED_HERE.values():
         assert_error_body(post(server, "/v1/completions", {"model": MODEL, "max_tokens": 2, **body}), 400, param)
     for route, body in (("/v1/chat/completions", {"messages": CAPITAL}), ("/v1/completions", {"prompt": "Hi"}),
                         ("/v1/responses", {"input": "Hi"})):
@@ -518,8 +520,8 @@ def post(server, path, body, key=API_KEY):
 ])
 def test_bad_extension_field_is_a_400_naming_it(server, client, extension, param):
     with Concurrently(client):
-        response = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                        "context_extension": extension})
+        response = post(server, "/v1/chat/completions",
+                        {"model": MODEL, "messages": HI, "context_extension": extension})
         error = assert_error_body(response, 400, param)
         assert param.split(".")[-1] in error["message"]
 
@@ -586,7 +588,8 @@ def metric_value(server, name: str, **labels) -> float:
 def test_a_client_that_disconnects_is_aborted_in_the_engine(server, client):
     aborted = metric_value(server, "rope_extend_requests_total", outcome="aborted")
     with Concurrently(client):
-        body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
         with httpx.stream("POST", f"{server.base}/v1/completions", json=body,
                           headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
             for line in response.iter_lines():

@@ -57,17 +57,17 @@ def test_a_failed_engine_zeroes_its_gauges_and_stops_serving_once_nothing_is_in_
     from rope_plugins.server.config import ServerConfig
 
     app = create_app(ServerConfig(), model="unused")
-    service, stopped = app.state.service, []
-    app.state.stop_serving = lambda: stopped.append(service.in_flight)
+    service, capacity, stopped = app.state.service, app.state.capacity, []
+    app.state.stop_serving = lambda: stopped.append(capacity.in_flight)
     service.metrics.running.set(2)
-    service.in_flight = 1
+    capacity.in_flight = 1
     service.state, service.failure = "failed", "engine died: test"
 
     async def scenario():
         watcher = asyncio.create_task(stop_when_the_engine_fails(app, poll=0.01))
         await asyncio.sleep(0.2)
         assert not stopped, "stopped while a request was still failing"
-        service.in_flight = 0
+        capacity.in_flight = 0
         await asyncio.wait_for(watcher, 2)
 
     asyncio.run(scenario())
@@ -132,7 +132,8 @@ BAD_REQUESTS = [
     ("leaky_k Infinity", CHAT, chat_body(context_extension={"method": "leaky_rerope", "leaky_k": INF}),
      400, "context_extension.leaky_k"),
     ("leaky_k Infinity, streamed", CHAT,
-     chat_body(stream=True, context_extension={"method": "leaky_rerope", "leaky_k": INF}), 400, "context_extension.leaky_k"),
+     chat_body(stream=True, context_extension={"method": "leaky_rerope", "leaky_k": INF}), 400,
+     "context_extension.leaky_k"),
     ("factor NaN", COMPLETIONS, completion_body(context_extension={"method": "ntk_mixed", "factor": NAN}),
      400, "context_extension.factor"),
     ("window as a string", COMPLETIONS, completion_body(context_extension={"method": "rerope", "window": "64"}),
@@ -161,7 +162,8 @@ BAD_REQUESTS = [
     ("image part", CHAT, chat_body(messages=user([{"type": "image_url", "image_url": {"url": "x"}}])),
      400, "messages.0.content"),
     ("text part without text", CHAT, chat_body(messages=user([{"type": "text"}])), 400, "messages.0.content.0.text"),
-    ("/tokenize with an audio part", TOKENIZE, {"messages": user([{"type": "input_audio"}])}, 400, "messages.0.content"),
+    ("/tokenize with an audio part", TOKENIZE, {"messages": user([{"type": "input_audio"}])}, 400,
+     "messages.0.content"),
     ("/tokenize with a lone surrogate", TOKENIZE, {"prompt": "\udfff"}, 400, "prompt"),
     ("/tokenize with prompt and messages", TOKENIZE, {"prompt": "a", "messages": user("a")}, 400, None),
     ("/tokenize with a body over the limit", TOKENIZE, {"prompt": "a" * MAX_BODY}, 413, None),
@@ -175,9 +177,11 @@ BAD_REQUESTS = [
     ("n past the whole capacity", COMPLETIONS, completion_body(n=CAPACITY + 1, temperature=1.0), 400, "n"),
     ("prompts x n past the whole capacity", COMPLETIONS, completion_body(prompt=["a"] * 3, n=3, temperature=1.0),
      400, "n"),
-    ("more prompts than the whole capacity", COMPLETIONS, completion_body(prompt=["a"] * (CAPACITY + 1)), 400, "prompt"),
+    ("more prompts than the whole capacity", COMPLETIONS, completion_body(prompt=["a"] * (CAPACITY + 1)), 400,
+     "prompt"),
     ("logprobs 21", COMPLETIONS, completion_body(logprobs=21), 400, "logprobs"),
-    ("max_tokens x logprobs past the limit", COMPLETIONS, completion_body(max_tokens=400, logprobs=20), 400, "logprobs"),
+    ("max_tokens x logprobs past the limit", COMPLETIONS, completion_body(max_tokens=400, logprobs=20), 400,
+     "logprobs"),
     ("max_tokens x top_logprobs past the limit", CHAT, chat_body(max_tokens=300, logprobs=True, top_logprobs=20),
      400, "top_logprobs"),
     ("text too long to tokenize", COMPLETIONS, completion_body(prompt="a" * (SERVED * LONGEST_TOKEN_CHARS + 1)),
@@ -287,7 +291,8 @@ COSTLY_GRAMMARS = {
     "nested repetition": {"regex": "(a{1000}){1000}"},
     "a DFA that blows up": {"regex": "(a|b)*a(a|b){25}"},
     "catastrophic backtracking": {"regex": "(a+)+(b+)+(c+)+(d+)+$" * 20},
-    "5000 required properties": {"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)},
+    "5000 required properties": {"json": {"type": "object",
+                                          "properties": {f"p{i}": {"type": "string"} for i in range(5000)},
                                           "required": [f"p{i}" for i in range(5000)]}},
     "a million-character string": {"json": {"type": "string", "minLength": 10**6, "maxLength": 10**6}},
     "100,000 items": {"json": {"type": "array", "items": {"type": "string"}, "minItems": 100_000}},

@@ -41,7 +41,8 @@ def request(fields) -> SamplingParams:
 
 
 def add(tracker, row: int, fields) -> None:
-    tracker.update_state(BatchUpdate(batch_size=row + 1, removed=[], added=[(row, request(fields), None, [])], moved=[]))
+    added = [(row, request(fields), None, [])]
+    tracker.update_state(BatchUpdate(batch_size=row + 1, removed=[], added=added, moved=[]))
 
 
 REFUSED_BY_THE_FRONT_END = [
