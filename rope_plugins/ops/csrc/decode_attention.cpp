@@ -157,10 +157,13 @@ inline void prefetch(const DecodeScratch& scratch, int64_t j, int64_t keys) {
 // keys j < near_from under ReRoPE's far rule: the far query against the raw keys
 template <int64_t d>
 void score_raw(const DecodeView& view, int64_t near_from, int64_t keys, DecodeScratch& scratch) {
+  const int64_t queries_per_kv = view.queries_per_kv;
+  const float* far_q = scratch.far_q.data();
+  float* scores = scratch.scores.data();
   for (int64_t j = 0; j < near_from; ++j) {
     prefetch<d>(scratch, j, keys);
-    for (int64_t g = 0; g < view.queries_per_kv; ++g)
-      scratch.scores[g * kDecodeChunk + j] = dot(scratch.far_q.data() + g * d, scratch.row_of[j], d);
+    const float* key = scratch.row_of[j];
+    for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(far_q + g * d, key, d);
   }
 }
 
@@ -172,18 +175,19 @@ void score_far(const DecodeView& view, const DecodeItem& item, int64_t near_from
   const int64_t rule = view.far_table[item.r], step = view.step;
   const float* offset_cos = view.far_offset_cos + rule * step * half;
   const float* offset_sin = view.far_offset_sin + rule * step * half;
+  const int64_t queries_per_kv = view.queries_per_kv;
+  float *far_q_step = scratch.far_q_step.data(), *rotated = scratch.rotated.data(), *scores = scratch.scores.data();
   for (int64_t j = 0; j < near_from; ++j) {
     prefetch<d>(scratch, j, keys);
     const int64_t n = item.first + j, offset = n % step;
     if (offset == 0 || j == 0) {  // a new step: turn the far query back by its angle
       const int64_t at = (rule * view.far_steps + n / step) * half;
-      for (int64_t g = 0; g < view.queries_per_kv; ++g)
-        rotate(scratch.far_q.data() + g * d, view.far_step_cos + at, view.far_step_sin + at,
-               scratch.far_q_step.data() + g * d, half, 1.f, -1.f);
+      for (int64_t g = 0; g < queries_per_kv; ++g)
+        rotate(scratch.far_q.data() + g * d, view.far_step_cos + at, view.far_step_sin + at, far_q_step + g * d,
+               half, 1.f, -1.f);
     }
-    rotate(scratch.row_of[j], offset_cos + offset * half, offset_sin + offset * half, scratch.rotated.data(), half);
-    for (int64_t g = 0; g < view.queries_per_kv; ++g)
-      scratch.scores[g * kDecodeChunk + j] = dot(scratch.far_q_step.data() + g * d, scratch.rotated.data(), d);
+    rotate(scratch.row_of[j], offset_cos + offset * half, offset_sin + offset * half, rotated, half);
+    for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(far_q_step + g * d, rotated, d);
   }
 }
 
@@ -193,12 +197,14 @@ void score_near(const DecodeView& view, const DecodeItem& item, int64_t near_fro
                 DecodeScratch& scratch) {
   constexpr int64_t half = d / 2;
   const int64_t first_column = item.r * view.band_width + item.first - view.band_start[item.r];  // key j's at + j
+  const int64_t queries_per_kv = view.queries_per_kv;
+  const float* near_q = scratch.near_q.data();
+  float *rotated = scratch.rotated.data(), *scores = scratch.scores.data();
   for (int64_t j = near_from; j < keys; ++j) {
     prefetch<d>(scratch, j, keys);
     const int64_t at = (first_column + j) * half;
-    rotate(scratch.row_of[j], view.near_cos + at, view.near_sin + at, scratch.rotated.data(), half);
-    for (int64_t g = 0; g < view.queries_per_kv; ++g)
-      scratch.scores[g * kDecodeChunk + j] = dot(scratch.near_q.data() + g * d, scratch.rotated.data(), d);
+    rotate(scratch.row_of[j], view.near_cos + at, view.near_sin + at, rotated, half);
+    for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(near_q + g * d, rotated, d);
   }
 }
 
@@ -211,12 +217,14 @@ void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& s
     rope_kernels::softmax_step(scratch.scores.data() + g * kDecodeChunk, keys, view.partial_max[partial + g],
                                view.partial_sum[partial + g]);
   }
+  const int64_t queries_per_kv = view.queries_per_kv;
+  const float* scores = scratch.scores.data();
   float* out = view.partial_out + partial * d;
-  std::fill(out, out + view.queries_per_kv * d, 0.f);
+  std::fill(out, out + queries_per_kv * d, 0.f);
   for (int64_t j = 0; j < keys; ++j) {
     const float* __restrict value = scratch.row_of[j] + d;
-    for (int64_t g = 0; g < view.queries_per_kv; ++g) {
-      const float p = scratch.scores[g * kDecodeChunk + j];
+    for (int64_t g = 0; g < queries_per_kv; ++g) {
+      const float p = scores[g * kDecodeChunk + j];
       float* __restrict target = out + g * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) target[i] += p * value[i];
