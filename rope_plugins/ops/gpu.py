@@ -17,11 +17,11 @@ training keep the float64 oracle's accuracy without a cos/sin table as large as 
   serving the KV head's ``queries_per_kv`` query heads together (one read of K and V for
   them), then a reduce over the splits by their log-sum-exps.
 
-Both attention kernels share one key-tile loop (:func:`attend_key_tiles`): the rule's
-positions, :func:`rotate_pair`, :func:`tile_scores` and :func:`softmax_step` exist once.
-Prefill scores with ``tl.dot`` (16 queries or more per tile); decode, with a KV head's few query
-heads, with broadcast sums (``DOT`` off). Vectors of the two neox halves travel as pairs
-``(first, second)``; the row rule as one tuple (:func:`load_row_rule`).
+Both attention kernels run one key-tile loop (:func:`attend_key_tiles`), so the rule's
+positions, :func:`rotate_pair`, :func:`tile_scores` and :func:`softmax_step` exist once. Prefill
+(16 queries or more per program) multiplies with ``tl.dot``; decode (a KV head's few query heads)
+with broadcast sums. The two neox halves of a vector travel as a pair ``(first, second)``, the
+row rule as one tuple (:func:`load_row_rule`).
 
 On CPU tensors these run under ``TRITON_INTERPRET=1`` (set before this module is imported):
 the tests' way to check the GPU path without a GPU; ``tests/ops/compile_kernels.py`` compiles
@@ -37,8 +37,14 @@ import triton.language as tl
 from rope_plugins.attention.planner import KEY_TILE, KernelPlan
 
 # ---------------------------------------------------------------------------------------------
-# The row rule: where a query or key stands, and how much a query is scaled
+# Loads, and the row rule: where a query or key stands, how much a query is scaled
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_pair(at, mask, HALF: tl.constexpr):
+    """The two neox halves of the vectors at ``at`` (their first halves): ``(at, at + d/2)``, masked to 0."""
+    return tl.load(at, mask=mask, other=0.0), tl.load(at + HALF, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -112,12 +118,6 @@ def rotated_queries(query_at, mask, position, softmax_scale, rule, HALF: tl.cons
 # ---------------------------------------------------------------------------------------------
 # The paged cache, and one key tile's scores and online-softmax step
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def load_pair(at, mask, HALF: tl.constexpr):
-    """The two neox halves of the vectors at ``at`` (their first halves): ``(at, at + d/2)``, masked to 0."""
-    return tl.load(at, mask=mask, other=0.0), tl.load(at + HALF, mask=mask, other=0.0)
 
 
 @triton.jit

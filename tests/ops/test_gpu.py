@@ -1,9 +1,17 @@
 """The Triton kernels (rope_plugins/ops/gpu.py) against the float64 oracle, on this CPU under
 Triton's interpreter: every method with and without log-n, decode and prefill rows mixed in one
 launch, GQA 3:1 and 7:1, head sizes 64, 128, 256 and 96 (pairs padded to a power of two),
-float32 (IEEE dots) and float16 (the interpreter's bfloat16 dots are not trustworthy)."""
+float32 (IEEE dots) and float16 (the interpreter's bfloat16 dots are not trustworthy). Then
+what the interpreter cannot show: that Triton compiles them for a GPU, and their contract
+(labelled parameter groups in one order)."""
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +36,8 @@ def settings(method: str, log_n: bool, **fields) -> ExtensionSettings:
 def every_method_rows(context: int, new: int) -> list:
     """Each method with and without log-n, ``context`` cached tokens and ``new`` this step."""
     return [(settings(method, log_n), context + 7 * i, new)
-            for i, (method, log_n) in enumerate((m, l) for m in METHOD_NAMES if m != "auto" for l in (False, True))]
+            for i, (method, log_n) in enumerate((name, with_log_n) for name in METHOD_NAMES if name != "auto"
+                                                for with_log_n in (False, True))]
 
 
 # Prefill rows: a window (37) no multiple of the tiles (16 queries, 32 keys); a chunk starting
@@ -84,10 +93,10 @@ def test_prefill_every_method_with_and_without_log_n(dtype):
     assert_matches_oracle(step, dtype)
 
 
-@pytest.mark.parametrize(("head", "kv", "group"), [(64, 2, 3), (128, 1, 7), (256, 1, 2), (96, 2, 1)],
+@pytest.mark.parametrize(("head", "kv", "queries_per_kv"), [(64, 2, 3), (128, 1, 7), (256, 1, 2), (96, 2, 1)],
                          ids=["d64-gqa3", "d128-gqa7", "d256", "d96-pairs-padded"])
-def test_mixed_prefill_and_decode_rows_in_one_step(head, kv, group):
-    step = paged_step(MIXED_ROWS, seed=3, head=head, kv=kv, group=group, block=16)
+def test_mixed_prefill_and_decode_rows_in_one_step(head, kv, queries_per_kv):
+    step = paged_step(MIXED_ROWS, seed=3, head=head, kv=kv, group=queries_per_kv, block=16)  # paged_step's GQA ratio
     assert_matches_oracle(step, torch.float32)
 
 
@@ -103,3 +112,31 @@ def test_cache_write_skips_padded_slots():
     kept = slots[written]
     expected[kept // block_size, :, kept % block_size] = torch.cat((step.key, step.value), -1)[written]
     assert torch.equal(cache, expected)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # about a minute: Triton's compiler and ptxas, twice per kernel and dtype
+def test_every_kernel_compiles_for_a_gpu():
+    """The interpreter runs code a GPU compile refuses; here each kernel, as the wrappers launch
+    it in float32, float16 and bfloat16, goes through Triton's compiler and ptxas for Hopper and Ampere."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.ops.compile_kernels", "sm_90", "sm_80"], cwd=ROOT,
+                            env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    compiled = {tuple(line.split()[:3]) for line in result.stdout.splitlines()}
+    kernels = {"write_cache_kernel", "prefill_kernel", "decode_split_kernel", "decode_reduce_kernel"}
+    assert compiled == {(kernel, dtype, target) for kernel in kernels for dtype in ("float32", "float16", "bfloat16")
+                        for target in ("sm_90:", "sm_80:")}
+
+
+PARAMETER_GROUPS = ["outputs", "inputs", "the paged cache", "the step's rows", "the row rule", "strides",
+                    "constexpr sizes"]
+
+
+@pytest.mark.parametrize("kernel", ["prefill_kernel", "decode_split_kernel"])
+def test_the_attention_kernels_label_their_parameter_groups_in_one_order(kernel):
+    signature = re.search(rf"def {kernel}\((.*?)\n\):", Path(gpu.__file__).read_text(), re.DOTALL).group(1)
+    assert re.findall(r"^    # ([^\n]+)$", signature, re.MULTILINE) == PARAMETER_GROUPS
+    assert re.findall(r"\w*group\w*", signature, re.IGNORECASE) == ["group_ptr"]  # Self-Extend's; GQA: QUERIES_PER_KV
