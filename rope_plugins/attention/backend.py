@@ -37,7 +37,8 @@ def runs_triton(vllm_config: VllmConfig, device: torch.device) -> bool:
 
 class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan | KernelPlan]):
     """The step's plan from its rows and each row's settings, once per step for all layers:
-    a :class:`KernelPlan` for the Triton kernels, a :class:`StepPlan` for the CPU ops."""
+    a :class:`KernelPlan` for the Triton kernels, a :class:`StepPlan` (that same rule and the
+    rotation tables made from it) for the CPU ops."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:

@@ -1,9 +1,13 @@
 """A step's rows and their settings turned into a typed plan, once per step for all layers.
 
-The plan says, for every query token, the rotations of its near and far query; for every
-prefill row, where its near band and far part lie; for all decode rows together, which cache
-blocks to read, which keys to keep, the band keys' rotations and which far-key table each row
-uses. Every tensor is built here, on the CPU, so the attention ops only index and compute.
+One rule per row (:class:`KernelPlan`, made by :func:`kernel_plan`): its θ, window, leak,
+Self-Extend group, log-n length and query factor, each ntk_dynamic row cut where its θ steps.
+The Triton kernels read it as it is and form every angle themselves. For the CPU ops the
+:class:`StepPlanner` makes the rotation tables from it, in one place: for every query token
+the rotations of its near and far query; for every prefill row, where its near band and far
+part lie; for all decode rows together, which cache blocks to read, which keys to keep, the
+band keys' rotations and which far-key table each row uses. Those tensors are built here, on
+the CPU, so the ops only index and compute.
 """
 
 from __future__ import annotations
@@ -105,14 +109,6 @@ class FarKeys:
 
 
 @dataclass(frozen=True)
-class DecodeQueries:
-    """The decode rows' query terms, gathered once per step for every layer's kernel call."""
-
-    scale: torch.Tensor  # [Rd]
-    rotation: Rotation  # [Rd, 2, d/2]: the near angle, then the far angle
-
-
-@dataclass(frozen=True)
 class DecodePlan:
     """All decode rows (one query each), batched over rows and cache blocks."""
 
@@ -124,53 +120,26 @@ class DecodePlan:
     band_start: torch.Tensor  # [Rd] int64: first key position of the band
     far_keys: FarKeys | None
     band: DecodeBand | None
-    queries: DecodeQueries
+    query_scale: torch.Tensor  # [Rd]
+    query_rotation: Rotation  # [Rd, 2, d/2]: the near angle, then the far angle
 
     @functools.cached_property
     def kernel_inputs(self):
         """The C++ decode's inputs (csrc/attention_inputs.h), packed once per step for every layer's call."""
         from rope_plugins.ops import native  # the planner serves the Triton kernels too: no C++ there
 
-        rows, half = self.queries.scale.shape[0], self.queries.rotation.cos.shape[-1]
-        empty = self.queries.rotation.cos.new_empty(0)
+        rows, half = self.query_scale.shape[0], self.query_rotation.cos.shape[-1]
+        empty = self.query_rotation.cos.new_empty(0)
         none = Rotation(cos=empty, sin=empty)
         near = none if self.band is None else Rotation(cos=self.band.keys.cos.reshape(rows, -1, half),
                                                        sin=self.band.keys.sin.reshape(rows, -1, half))
         far = self.far_keys
         return native.decode_inputs(
-            query_scale=self.queries.scale, query_rotation=self.queries.rotation, block_table=self.block_ids,
+            query_scale=self.query_scale, query_rotation=self.query_rotation, block_table=self.block_ids,
             seq_lens=self.seq_lens, window=self.window, band_start=self.band_start, near=near,
             far_steps=none if far is None else far.every(DECODE_FAR_STEP),
             far_offsets=none if far is None else far.first(DECODE_FAR_STEP),
             far_table=torch.full((rows,), -1, dtype=torch.int64) if far is None else far.table_of_row)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The attention metadata of one step."""
-
-    num_actual_tokens: int
-    slot_mapping: torch.Tensor  # [T]
-    block_table: torch.Tensor  # [R, max_blocks]
-    query: QueryPlan
-    prefill: list[PrefillRow]
-    decode: DecodePlan | None
-
-
-@dataclass(frozen=True)
-class StepRows:
-    """The step's rows as plain tensors, sliced from the batch: what a plan is made from."""
-
-    starts: torch.Tensor  # [R + 1] int64, each row's first token in the flat token order
-    seq_lens: torch.Tensor  # [R] int64
-    theta: torch.Tensor  # [R, d/2] float64
-    window: torch.Tensor  # [R] int64
-    leak: torch.Tensor  # [R] float64
-    group: torch.Tensor  # [R] int64
-
-    @property
-    def query_lens(self) -> torch.Tensor:
-        return self.starts[1:] - self.starts[:-1]
 
 
 @dataclass(frozen=True)
@@ -210,6 +179,29 @@ class KernelPlan:
     group: torch.Tensor  # [R] int64
     prefill_tiles: PrefillTiles | None
     decode_rows: DecodeRows | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The attention metadata of one step for the CPU ops: the rows' rule, the very
+    :class:`KernelPlan` the Triton kernels read, and the rotation tables made from it."""
+
+    rows: KernelPlan
+    query: QueryPlan
+    prefill: list[PrefillRow]
+    decode: DecodePlan | None
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return self.rows.num_actual_tokens
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.rows.slot_mapping
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.rows.block_table
 
 
 def decode_split(longest: int, *, min_split_keys: int = MIN_SPLIT_KEYS) -> tuple[int, int]:
@@ -332,31 +324,26 @@ class StepPlanner:
     def plan(self, tables: RowTables, starts: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
              slot_mapping: torch.Tensor) -> StepPlan:
         """The step's plan from row starts ``[R+1]`` in the flat token order, sequence lengths
-        ``[R]``, the block table, the slots, and the rows' settings tables."""
-        pieces = dynamic_sub_rows(tables, starts, seq_lens)
-        if pieces is not None:
-            tables, starts, seq_lens = pieces.tables, pieces.starts, pieces.seq_lens
-            block_table = block_table[pieces.batch_row]
-        count = seq_lens.numel()
-        rows = StepRows(starts=starts, seq_lens=seq_lens, theta=tables.theta[:count], window=tables.window[:count],
-                        leak=tables.leak[:count], group=tables.group[:count])
-        query_lens = rows.query_lens
+        ``[R]`` (int64), the block table, the slots, and the rows' settings tables, all on the CPU."""
+        rows = kernel_plan(tables, query_start_cpu=starts, query_start=starts, seq_lens=seq_lens,
+                           max_seq_len=int(seq_lens.max()) if seq_lens.numel() else 0, block_table=block_table,
+                           slot_mapping=slot_mapping)
+        query_lens = rows.query_start.diff()
         decode = (query_lens == 1).nonzero().flatten()
-        query = self.query_plan(rows, tables.log_n_length[:count], tables.query_factor[:count])
-        return StepPlan(
-            num_actual_tokens=int(starts[-1]), slot_mapping=slot_mapping, block_table=block_table, query=query,
-            prefill=[self.prefill_row(rows, row) for row in (query_lens > 1).nonzero().flatten().tolist()],
-            decode=self.decode_plan(rows, decode, block_table, query) if decode.numel() else None)
+        query = self.query_plan(rows, query_lens)
+        return StepPlan(rows=rows, query=query,
+                        prefill=[self.prefill_row(rows, row) for row in (query_lens > 1).nonzero().flatten().tolist()],
+                        decode=self.decode_plan(rows, decode, query) if decode.numel() else None)
 
-    def query_plan(self, rows: StepRows, log_n_length: torch.Tensor, query_factor: torch.Tensor) -> QueryPlan:
-        tokens, query_lens = int(rows.starts[-1]), rows.query_lens
+    def query_plan(self, rows: KernelPlan, query_lens: torch.Tensor) -> QueryPlan:
+        tokens = rows.num_actual_tokens
         token_row = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens, output_size=tokens)
         # position of each token: the request's context plus its offset in the chunk
-        positions = (rows.seq_lens - query_lens)[token_row] + torch.arange(tokens) - rows.starts[:-1][token_row]
+        positions = (rows.seq_lens - query_lens)[token_row] + torch.arange(tokens) - rows.query_start[:-1][token_row]
         theta = rows.theta[token_row]  # [T, d/2]
         far_position = far_query_positions(positions, rows.window[token_row], rows.leak[token_row],
                                            rows.group[token_row])
-        scale = log_n_factor(positions, log_n_length[token_row]) * query_factor[token_row]
+        scale = log_n_factor(positions, rows.log_n_length[token_row]) * rows.query_factor[token_row]
         return QueryPlan(scale=scale.to(self.dtype),
                          near=Rotation.of((positions[:, None].double() * theta)[:, None], self.dtype),
                          far=Rotation.of((far_position[:, None] * theta)[:, None], self.dtype))
@@ -375,21 +362,19 @@ class StepPlanner:
             self.far_tables.pop(next(iter(self.far_tables)))
         return table[:length]
 
-    def decode_plan(self, rows: StepRows, decode: torch.Tensor, block_table: torch.Tensor,
-                    query: QueryPlan) -> DecodePlan:
+    def decode_plan(self, rows: KernelPlan, decode: torch.Tensor, query: QueryPlan) -> DecodePlan:
         """Blocks to read, keys to keep, far-key tables and the near band of every decode row."""
         seq_lens, window = rows.seq_lens[decode], rows.window[decode]
         keys = -(-int(seq_lens.max()) // self.block_size) * self.block_size  # the rows' key columns
         band_width = min(int(window.max()), int(seq_lens.max()))
-        tokens = rows.starts[:-1][decode]
+        tokens = rows.query_start[:-1][decode]
         if torch.equal(tokens, torch.arange(int(tokens[0]), int(tokens[0]) + tokens.numel())):
             tokens = slice(int(tokens[0]), int(tokens[0]) + tokens.numel())  # views instead of gathers
         near, far = query.near[tokens], query.far[tokens]  # [Rd, 1, d/2]
-        queries = DecodeQueries(scale=query.scale[tokens], rotation=Rotation(
-            cos=torch.cat((near.cos, far.cos), dim=1), sin=torch.cat((near.sin, far.sin), dim=1)))
+        both = Rotation(cos=torch.cat((near.cos, far.cos), dim=1), sin=torch.cat((near.sin, far.sin), dim=1))
         return DecodePlan(
-            tokens=tokens, queries=queries,
-            block_ids=block_table[decode, : keys // self.block_size].to(torch.int64),
+            tokens=tokens, query_scale=query.scale[tokens], query_rotation=both,
+            block_ids=rows.block_table[decode, : keys // self.block_size].to(torch.int64),
             keep=torch.arange(keys)[None, :] < seq_lens[:, None], seq_lens=seq_lens, window=window,
             band_start=(seq_lens - band_width).clamp(min=0),
             far_keys=self.decode_far_keys(rows.theta[decode], rows.leak[decode], rows.group[decode], keys),
@@ -418,8 +403,9 @@ class StepPlanner:
                           target=torch.where(near, position, keys),
                           keys=Rotation.of((position.double()[..., None] * theta[:, None, :])[:, :, None], self.dtype))
 
-    def prefill_row(self, rows: StepRows, row: int) -> PrefillRow:
-        chunk, seq_len = int(rows.query_lens[row]), int(rows.seq_lens[row])
+    def prefill_row(self, rows: KernelPlan, row: int) -> PrefillRow:
+        first, end, seq_len = int(rows.query_start[row]), int(rows.query_start[row + 1]), int(rows.seq_lens[row])
+        chunk = end - first
         context, window, leak, theta = seq_len - chunk, int(rows.window[row]), float(rows.leak[row]), rows.theta[row]
         band_start, band_keys = 0, None
         if window:
@@ -427,6 +413,6 @@ class StepPlanner:
             positions = torch.arange(band_start, seq_len, dtype=torch.float64)
             band_keys = Rotation.of((positions[:, None] * theta)[:, None], self.dtype)
         far_keys = self.far_key_table(theta, leak, int(rows.group[row]), seq_len)[:, None] if leak != 0 else None
-        return PrefillRow(tokens=slice(int(rows.starts[row]), int(rows.starts[row + 1])), context=context,
+        return PrefillRow(tokens=slice(first, end), context=context,
                           seq_len=seq_len, row=row, window=window, far_keys=far_keys, band_start=band_start,
                           band_keys=band_keys)
