@@ -78,7 +78,7 @@ class Shape:
     label: str
     head: int
     kv: int
-    group: int  # query heads per KV head
+    queries_per_kv: int  # the GQA ratio: query heads per KV head
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, tol
     rows = [{"settings": settings.canonical(), "context": context, "new": new,
              **{key: finite(value) for key, value in error.items()}}
             for (settings, context, new), error in zip(step.rows, errors)]
-    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.group, "kv_heads": shape.kv,
+    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
             "dtype": dtype, "tokens": int(step.starts[-1]), "keys": int(step.seq_lens.sum()),
             "cache_write_exact": cache_exact, **{key: finite(value) for key, value in worst.items()},
             "tolerance": tolerance, "passed": cache_exact and worst["relative_error"] <= tolerance, "rows": rows}
@@ -212,8 +212,9 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
     rows, cases = step_rows(sizes), []
     with tqdm(total=len(sizes.shapes) * (len(rows) + len(dtypes)), desc="kernels", unit="step") as bar:
         for seed, shape in enumerate(sizes.shapes):
-            build = partial(paged_step, rows, seed=seed, head=shape.head, kv=shape.kv, group=shape.group, block=BLOCK,
-                            grid=torch.bfloat16)  # this shape's step, in a dtype
+            build = partial(paged_step, rows, seed=seed, head=shape.head, kv=shape.kv,
+                            group=shape.queries_per_kv,  # paged_step's name for the GQA ratio
+                            block=BLOCK, grid=torch.bfloat16)  # this shape's step, in a dtype
             reference = build(dtype=DTYPES["float32"])
             expected = []
             for r in range(len(rows)):
@@ -234,7 +235,7 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
 
 def failed_case(shape: Shape, dtype: str, tolerance: float, error: Exception) -> dict:
     """A case whose kernels raised: the error instead of the numbers."""
-    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.group, "kv_heads": shape.kv,
+    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
             "dtype": dtype, "cache_write_exact": False, "max_error": None, "relative_error": None,
             "tolerance": tolerance, "passed": False, "rows": [], "error": f"{type(error).__name__}: {error}"[:4000]}
 

@@ -65,7 +65,7 @@ def test_the_report_says_what_ran_and_what_did_not(interpreted):
 def test_the_real_sizes_cover_what_the_check_promises():
     """Without running them (a GPU's work): real head shapes, every method, chunks after a
     cached context and a first chunk, decode rows at thousands of keys, valid settings."""
-    shapes = {(shape.head, shape.kv * shape.group, shape.kv) for shape in gpu_check.REAL.shapes}
+    shapes = {(shape.head, shape.kv * shape.queries_per_kv, shape.kv) for shape in gpu_check.REAL.shapes}
     assert {(128, 32, 8), (128, 28, 4), (64, 14, 2)} == shapes
     rows = gpu_check.step_rows(gpu_check.REAL)
     assert {settings.method for settings, _, _ in rows} == EVERY_METHOD
