@@ -78,12 +78,6 @@ class ServerConfig(BaseModel):
             return model
         raise ValueError(f"{model!r} is neither a known model ({', '.join(MODELS)}) nor a local directory")
 
-    @property
-    def auto_log_n_past_training(self) -> bool:
-        """Whether 'auto' scales queries by log n once it goes past the training length (a
-        request's own log_n wins over this)."""
-        return self.log_n or self.auto_log_n
-
     def extension_defaults(self) -> dict[str, Any]:
         """The request defaults given by the flags (``method`` may be 'auto')."""
         fields = {"method": self.method, "log_n": self.log_n}

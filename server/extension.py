@@ -53,7 +53,7 @@ class ServerDefaults:
     @classmethod
     def of(cls, config: ServerConfig, engine_default: ExtensionSettings) -> ServerDefaults:
         return cls(flags=config.extension_defaults(), engine_default=engine_default, auto_method=config.auto_method,
-                   auto_log_n=config.auto_log_n_past_training, served=config.max_model_len)
+                   auto_log_n=config.log_n or config.auto_log_n, served=config.max_model_len)
 
     @property
     def longest_train_length(self) -> int:

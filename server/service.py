@@ -166,7 +166,7 @@ class EngineService:
         config, auto = self.config, ""
         if config.method == AUTO:
             auto = "; auto past training: " + (
-                f"{config.auto_method}{' with log_n' if config.auto_log_n_past_training else ''}"
+                f"{config.auto_method}{' with log_n' if self.defaults.auto_log_n else ''}"
                 if config.auto_method else "the evaluated rule (server/auto.py)")
         logger.info("engine ready in %.0f s: model %r, trained at %d tokens, serving up to %d; default "
                     "extension %s%s", seconds, self.model_name, self.train_length, config.max_model_len,
