@@ -299,12 +299,12 @@ def prefill_kernel(
     token = (query_start + chunk_index).to(tl.int64)
     query_mask = (chunk_index < chunk)[:, None] & (pairs < HALF)[None, :]
     near_query, far_query = rotated_queries(query_ptr + token[:, None] * stride_qt + head * stride_qh + pairs[None, :],
-                                            query_mask, position, softmax_scale, rule, HALF,
-                                            query_ptr.dtype.element_ty)
+                                            query_mask, position, softmax_scale, rule, HALF=HALF,
+                                            OPERAND=query_ptr.dtype.element_ty)
     cache = row_cache(cache_ptr, block_table_ptr, row, head // QUERIES_PER_KV, stride_cb, stride_ch, stride_cs,
                       stride_bt)
-    _, running_sum, out = attend_key_tiles(near_query, far_query, position, rule, 0, seq_len, cache, HALF, KEY_TILE,
-                                           BLOCK_SIZE, True, PRECISION)
+    _, running_sum, out = attend_key_tiles(near_query, far_query, position, rule, 0, seq_len, cache, HALF=HALF,
+                                           KEY_TILE=KEY_TILE, BLOCK_SIZE=BLOCK_SIZE, PREFILL=True, PRECISION=PRECISION)
 
     out_at = out_ptr + token[:, None] * stride_ot + head * stride_oh + pairs[None, :]
     out_type = out_ptr.dtype.element_ty
@@ -348,12 +348,13 @@ def decode_split_kernel(
     query_mask = is_head[:, None] & (pairs < HALF)[None, :]
     position = tl.full([QUERIES_PER_KV_PAD], seq_len - 1, tl.int32)  # every head's query is the row's last token
     near_query, far_query = rotated_queries(query_ptr + token * stride_qt + heads[:, None] * stride_qh + pairs[None, :],
-                                            query_mask, position, softmax_scale, rule, HALF, tl.float32)
+                                            query_mask, position, softmax_scale, rule, HALF=HALF, OPERAND=tl.float32)
     cache = row_cache(cache_ptr, block_table_ptr, row, kv_head, stride_cb, stride_ch, stride_cs, stride_bt)
     split_start = split * split_keys
     running_max, running_sum, out = attend_key_tiles(near_query, far_query, position, rule, split_start,
-                                                     tl.minimum(seq_len, split_start + split_keys), cache, HALF,
-                                                     KEY_TILE, BLOCK_SIZE, False, None)
+                                                     tl.minimum(seq_len, split_start + split_keys), cache, HALF=HALF,
+                                                     KEY_TILE=KEY_TILE, BLOCK_SIZE=BLOCK_SIZE, PREFILL=False,
+                                                     PRECISION=None)
 
     # an empty split (past the row's end) leaves a zero output and a log-sum-exp of -inf
     has_keys = running_sum > 0
