@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS_DIR = ROOT / "tests" / "lm_eval_tasks"
+TASKS_DIR = ROOT / "tests" / "support" / "lm_eval_tasks"
 LOGLIKELIHOOD_TASK = "capitals_mc"
 GENERATION_TASK = "capitals_gen"
 TASK_ITEMS = 28  # lines of tests/support/lm_eval_tasks/capitals.jsonl
