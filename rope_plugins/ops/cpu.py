@@ -6,7 +6,7 @@ walk). Decode rows are batched together in one call of the C++ decode when the c
 float32 (:mod:`rope_plugins.ops.native`).
 
 Without a C++ compiler, or for other dtypes, plain PyTorch computes the same rule:
-:func:`prefill_plain` and :func:`decode_torch` score every key a query sees at its near and
+:func:`prefill_plain` and :func:`decode_plain` score every key a query sees at its near and
 far angle and pick by distance. The float64 oracle holds both paths in the tests.
 """
 
@@ -127,13 +127,13 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
            use_kernel: bool = True) -> torch.Tensor:
     """All decode rows at once from their unrotated queries ``[Rd, heads, d]``: the C++ kernel
     for a float32 cache (it reads the paged cache in place and rotates as it goes), else
-    :func:`decode_torch`."""
+    :func:`decode_plain`."""
     if not (use_kernel and kv_cache.dtype == torch.float32 and native.kernels() is not None):
-        return decode_torch(query, kv_cache, plan, queries, scale=scale)
+        return decode_plain(query, kv_cache, plan, queries, scale=scale)
     return native.decode_attention(plan.kernel_inputs, query=query, kv_cache=kv_cache, scale=scale)
 
 
-def decode_torch(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,
+def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,
                  scale: float) -> torch.Tensor:
     """All decode rows at once, block by block of the paged cache: ``[Rd, heads, d]``."""
     rows, heads, d = query.shape

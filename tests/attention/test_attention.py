@@ -107,7 +107,7 @@ def test_kernel_equals_plain_decode():
     cache, meta, _, query, _, _, _ = make_step(seed=3)
     decode_query = query[meta.decode.tokens]
     fast = cpu.decode(decode_query, cache, meta.decode, meta.query, scale=D**-0.5)
-    reference = cpu.decode_torch(decode_query, cache, meta.decode, meta.query, scale=D**-0.5)
+    reference = cpu.decode_plain(decode_query, cache, meta.decode, meta.query, scale=D**-0.5)
     torch.testing.assert_close(fast, reference, rtol=0, atol=1e-5)
 
 
