@@ -50,6 +50,10 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="self_extend", window=16, group=64, train_length=TRAIN), 700, 1),
     (ExtensionSettings(method="self_extend", window=24, group=8, train_length=TRAIN), 50, 70),
     (ExtensionSettings(method="self_extend", window=10, group=2, log_n=True, train_length=TRAIN), 0, 90),
+    # windows that are no multiple of the group: the rule jumps where m - n = w, so the side
+    # each path puts that key on shows
+    (ExtensionSettings(method="self_extend", window=10, group=4, train_length=TRAIN), 20, 30),
+    (ExtensionSettings(method="self_extend", window=13, group=8, train_length=TRAIN), 400, 1),
     # ntk_dynamic: θ steps at TRAIN + j DYNAMIC_STEP (64, 192, 320, ...): a prompt across three
     # steps, a chunk across one, a one-query piece at a step, decode inside training, in a step,
     # and past a 512-key chunk
