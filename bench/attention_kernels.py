@@ -150,7 +150,7 @@ def plugin_decode(window: int, far_rule: bool):
     """The plugin's C++ decode on its own cache layout ``[blocks, kv, bs, 2d]``, with identity
     rotations (its answer is plain attention) but the work of a ``window``-token band and, with
     ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods)."""
-    from rope_plugins.attention.planner import DECODE_FAR_STEP, Rotation
+    from rope_plugins.attention.planner import DECODE_FAR_STEP
     from rope_plugins.ops import native
 
     def prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -163,14 +163,13 @@ def plugin_decode(window: int, far_rule: bool):
         zeros = lambda *shape: torch.zeros(*shape, half)  # noqa: E731
         step = DECODE_FAR_STEP
         lengths = torch.full((rows,), seq, dtype=torch.int64)
-        far_steps = Rotation(cos=ones(1, -(-seq // step)), sin=zeros(1, -(-seq // step)))
-        far_offsets = Rotation(cos=ones(1, step), sin=zeros(1, step))
         inputs = native.decode_inputs(  # once per step, as the plugin packs them
-            query_scale=torch.ones(rows), query_rotation=Rotation(cos=ones(rows, 2), sin=zeros(rows, 2)),
+            query_scale=torch.ones(rows), query_cos=ones(rows, 2), query_sin=zeros(rows, 2),
             block_table=torch.arange(rows * per_row).view(rows, per_row), seq_lens=lengths,
             window=torch.full((rows,), window, dtype=torch.int64), band_start=(lengths - window).clamp(min=0),
-            near=Rotation(cos=ones(rows, window), sin=zeros(rows, window)), far_steps=far_steps,
-            far_offsets=far_offsets, far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64))
+            near_cos=ones(rows, window), near_sin=zeros(rows, window), far_step_cos=ones(1, -(-seq // step)),
+            far_step_sin=zeros(1, -(-seq // step)), far_offset_cos=ones(1, step), far_offset_sin=zeros(1, step),
+            far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64))
         return lambda: native.decode_attention(inputs, query=query, kv_cache=cache, scale=SCALE)
 
     return prepare

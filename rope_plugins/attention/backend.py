@@ -24,7 +24,6 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from rope_plugins.attention.planner import KernelPlan, StepPlan, StepPlanner, kernel_plan
 from rope_plugins.ops import cpu
-from rope_plugins.ops.native import kernels as native_kernels
 from rope_plugins.plugin import BACKEND_NAME, OPS_KEY
 from rope_plugins.worker.requests import step_tables
 from rope_plugins.worker.row_tables import RowTables
@@ -80,7 +79,7 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.use_kernel = True  # the tests switch it off to hold the plain PyTorch path against the oracle
         if not torch.cuda.is_available():
-            native_kernels()  # build or load them now, at model construction, not inside the first step
+            cpu.built_kernels()  # build or load them now, at model construction, not inside the first step
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: StepPlan | KernelPlan | None, output: torch.Tensor,

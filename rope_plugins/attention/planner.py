@@ -134,11 +134,13 @@ class DecodePlan:
         near = none if self.band is None else Rotation(cos=self.band.keys.cos.reshape(rows, -1, half),
                                                        sin=self.band.keys.sin.reshape(rows, -1, half))
         far = self.far_keys
+        steps = none if far is None else far.every(DECODE_FAR_STEP)
+        offsets = none if far is None else far.first(DECODE_FAR_STEP)
         return native.decode_inputs(
-            query_scale=self.query_scale, query_rotation=self.query_rotation, block_table=self.block_ids,
-            seq_lens=self.seq_lens, window=self.window, band_start=self.band_start, near=near,
-            far_steps=none if far is None else far.every(DECODE_FAR_STEP),
-            far_offsets=none if far is None else far.first(DECODE_FAR_STEP),
+            query_scale=self.query_scale, query_cos=self.query_rotation.cos, query_sin=self.query_rotation.sin,
+            block_table=self.block_ids, seq_lens=self.seq_lens, window=self.window, band_start=self.band_start,
+            near_cos=near.cos, near_sin=near.sin, far_step_cos=steps.cos, far_step_sin=steps.sin,
+            far_offset_cos=offsets.cos, far_offset_sin=offsets.sin,
             far_table=torch.full((rows,), -1, dtype=torch.int64) if far is None else far.table_of_row)
 
 

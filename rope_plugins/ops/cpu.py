@@ -12,11 +12,26 @@ far angle and pick by distance. The float64 oracle holds both paths in the tests
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from rope_plugins.attention.planner import KEY_TILE, DecodePlan, PrefillRow, QueryPlan, Rotation
+from rope_plugins.attention.planner import DECODE_FAR_STEP, KEY_TILE, DecodePlan, PrefillRow, QueryPlan
 from rope_plugins.ops import native
 from rope_plugins.rules.rotary import rotate_by
+
+
+@functools.cache
+def built_kernels():
+    """The C++ kernels' module (:func:`native.kernels`; None without a compiler), checked once
+    against the planner: the C++ key tile is its ``KEY_TILE``, and the decode's chunk holds
+    whole far steps (``DECODE_FAR_STEP``) as its walk of the far angles needs."""
+    module = native.kernels()
+    if module is not None and (module.KEY_TILE != KEY_TILE or module.DECODE_CHUNK % DECODE_FAR_STEP):
+        raise native.KernelBuildError(f"csrc/attention_inputs.h (KEY_TILE {module.KEY_TILE}, DECODE_CHUNK "
+                                      f"{module.DECODE_CHUNK}) disagrees with the planner (KEY_TILE {KEY_TILE}, "
+                                      f"DECODE_FAR_STEP {DECODE_FAR_STEP})")
+    return module
 
 
 def rotated_queries(query: torch.Tensor, plan: QueryPlan, tokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +45,7 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, 
                 use_kernel: bool = True) -> None:
     """Unrotated keys and values into their slots: kv_cache ``[blocks, kv_heads, block, 2d]``
     (one C++ call where it is built)."""
-    if use_kernel and native.kernels() is not None:
+    if use_kernel and built_kernels() is not None:
         native.write_cache(key=key, value=value, kv_cache=kv_cache, slots=slot_mapping)
         return
     block_size = kv_cache.shape[2]
@@ -49,7 +64,7 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
     """The C++ prefill serves float32 with head sizes in whole key tiles, where it is built."""
     return (query.dtype == torch.float32 and query.shape[-1] % KEY_TILE == 0
-            and native.kernels() is not None)
+            and built_kernels() is not None)
 
 
 def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -60,19 +75,21 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
     their near angle, in tiles whose 32 keys of one dimension are one contiguous vector."""
     tile, half = KEY_TILE, query.shape[-1] // 2
     tiles = -(-row.seq_len // tile)
-    flat = lambda rotation: Rotation(cos=rotation.cos.reshape(-1, half), sin=rotation.sin.reshape(-1, half))  # noqa: E731
+    flat = lambda angles: angles.reshape(-1, half)  # noqa: E731
+    far_cos, far_sin = (flat(row.far_keys.cos), flat(row.far_keys.sin)) if row.far_keys is not None else (None, None)
     far_keys = native.cache_key_tiles(kv_cache=kv_cache, block_ids=block_ids, first=0, count=row.seq_len,
-                                      rotation=flat(row.far_keys) if row.far_keys is not None else None, origin=0,
-                                      tiles=tiles)
+                                      cos=far_cos, sin=far_sin, origin=0, tiles=tiles)
     near_origin, near_keys = 0, kv_cache.new_empty(0)
     if row.window:
         near_origin = row.band_start // tile * tile
         near_keys = native.cache_key_tiles(kv_cache=kv_cache, block_ids=block_ids, first=row.band_start,
-                                           count=row.seq_len - row.band_start, rotation=flat(row.band_keys),
-                                           origin=near_origin, tiles=tiles - near_origin // tile)
-    inputs = native.prefill_inputs(query_scale=queries.scale[row.tokens], near=flat(queries.near[row.tokens]),
-                                   far=flat(queries.far[row.tokens]), context=row.context, window=row.window,
-                                   near_origin=near_origin)
+                                           count=row.seq_len - row.band_start, cos=flat(row.band_keys.cos),
+                                           sin=flat(row.band_keys.sin), origin=near_origin,
+                                           tiles=tiles - near_origin // tile)
+    near, far = queries.near[row.tokens], queries.far[row.tokens]
+    inputs = native.prefill_inputs(query_scale=queries.scale[row.tokens], near_cos=flat(near.cos),
+                                   near_sin=flat(near.sin), far_cos=flat(far.cos), far_sin=flat(far.sin),
+                                   context=row.context, window=row.window, near_origin=near_origin)
     return native.prefill_attention(
         inputs, query=query, near_keys=near_keys, far_keys=far_keys,
         values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len), scale=scale)
@@ -128,7 +145,7 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
     """All decode rows at once from their unrotated queries ``[Rd, heads, d]``: the C++ kernel
     for a float32 cache (it reads the paged cache in place and rotates as it goes), else
     :func:`decode_plain`."""
-    if not (use_kernel and kv_cache.dtype == torch.float32 and native.kernels() is not None):
+    if not (use_kernel and kv_cache.dtype == torch.float32 and built_kernels() is not None):
         return decode_plain(query, kv_cache, plan, queries, scale=scale)
     return native.decode_attention(plan.kernel_inputs, query=query, kv_cache=kv_cache, scale=scale)
 

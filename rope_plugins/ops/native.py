@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-from rope_plugins.attention.planner import DECODE_FAR_STEP, KEY_TILE, Rotation
-
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
@@ -61,10 +59,6 @@ def kernels():
                       extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
     except Exception as error:
         raise KernelBuildError(f"the C++ decode kernel failed to build with {compiler()}: {error}") from error
-    if module.KEY_TILE != KEY_TILE or module.DECODE_CHUNK % DECODE_FAR_STEP:
-        raise KernelBuildError(f"csrc/attention_inputs.h's tiles (KEY_TILE {module.KEY_TILE}, DECODE_CHUNK "
-                               f"{module.DECODE_CHUNK}) disagree with the planner's (KEY_TILE {KEY_TILE}, "
-                               f"DECODE_FAR_STEP {DECODE_FAR_STEP})")
     return module
 
 
@@ -76,24 +70,27 @@ def packed(inputs, **fields):
     return inputs
 
 
-def decode_inputs(*, query_scale: torch.Tensor, query_rotation: Rotation, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, window: torch.Tensor, band_start: torch.Tensor, near: Rotation,
-                  far_steps: Rotation, far_offsets: Rotation, far_table: torch.Tensor):
+def decode_inputs(*, query_scale: torch.Tensor, query_cos: torch.Tensor, query_sin: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, window: torch.Tensor, band_start: torch.Tensor,
+                  near_cos: torch.Tensor, near_sin: torch.Tensor, far_step_cos: torch.Tensor,
+                  far_step_sin: torch.Tensor, far_offset_cos: torch.Tensor, far_offset_sin: torch.Tensor,
+                  far_table: torch.Tensor):
     """The decode rows of one step as the C++ decode reads them (``DecodeInputs``), packed once for every layer.
 
-    query_scale ``[R]``; query_rotation ``[R, 2, d/2]`` (the near angle ``m θ`` and the far angle
-    ``(w + (m - w) ρ) θ``); block_table ``[R, nb]``; seq_lens, window, band_start ``[R]``; near
-    ``[R, W, d/2]`` for the band keys from ``band_start`` (empty without a band); the far keys'
-    angles ``n ω`` (one rule per distinct setting) as ``far_steps`` ``[U, S / step, d/2]``
-    (``n = s * step``) and ``far_offsets`` ``[U, step, d/2]`` (``n = o``; the step divides the
-    kernel's ``DECODE_CHUNK``), with far_table ``[R]`` (-1: the row reads old keys raw).
+    Cosines and sines of: query_cos / sin ``[R, 2, d/2]``, the near angle ``m θ`` and the far angle
+    ``(w + (m - w) ρ) θ``; near_cos / sin ``[R, W, d/2]``, the band keys' from ``band_start`` (empty
+    without a band); the far keys' angles ``n ω`` (one rule per distinct setting) as far_step_cos /
+    sin ``[U, S / step, d/2]`` (``n = s * step``) and far_offset_cos / sin ``[U, step, d/2]``
+    (``n = o``; the step divides the kernel's ``DECODE_CHUNK``). query_scale ``[R]``; block_table
+    ``[R, nb]``; seq_lens, window, band_start, far_table ``[R]`` (far_table -1: the row reads old
+    keys raw).
     """
     index = lambda tensor: tensor.to(torch.int64)  # noqa: E731
-    return packed(kernels().DecodeInputs(), query_scale=query_scale.float(), query_cos=query_rotation.cos,
-                  query_sin=query_rotation.sin, block_table=index(block_table), seq_lens=index(seq_lens),
-                  window=index(window), band_start=index(band_start), near_cos=near.cos, near_sin=near.sin,
-                  far_step_cos=far_steps.cos, far_step_sin=far_steps.sin, far_offset_cos=far_offsets.cos,
-                  far_offset_sin=far_offsets.sin, far_table=index(far_table))
+    return packed(kernels().DecodeInputs(), query_scale=query_scale.float(), query_cos=query_cos,
+                  query_sin=query_sin, block_table=index(block_table), seq_lens=index(seq_lens), window=index(window),
+                  band_start=index(band_start), near_cos=near_cos, near_sin=near_sin, far_step_cos=far_step_cos,
+                  far_step_sin=far_step_sin, far_offset_cos=far_offset_cos, far_offset_sin=far_offset_sin,
+                  far_table=index(far_table))
 
 
 def decode_attention(inputs, *, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -109,12 +106,13 @@ def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 
 def cache_key_tiles(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, first: int, count: int,
-                    rotation: Rotation | None, origin: int, tiles: int) -> torch.Tensor:
+                    cos: torch.Tensor | None, sin: torch.Tensor | None, origin: int, tiles: int) -> torch.Tensor:
     """Keys at positions ``first .. first + count - 1`` of the sequence in blocks ``block_ids``,
-    turned by ``rotation`` (``[count, d/2]``; None: raw), as tiles ``[kv, tiles, d, KEY_TILE]``: key
-    ``n`` at column ``(n - origin) % KEY_TILE`` of tile ``(n - origin) // KEY_TILE``, zero elsewhere. float32."""
+    turned by the angles of ``cos`` and ``sin`` (``[count, d/2]``; None: raw), as tiles ``[kv,
+    tiles, d, KEY_TILE]``: key ``n`` at column ``(n - origin) % KEY_TILE`` of tile ``(n - origin) //
+    KEY_TILE``, zero elsewhere. float32."""
     empty = kv_cache.new_empty(0)
-    cos, sin = (rotation.cos, rotation.sin) if rotation is not None else (empty, empty)
+    cos, sin = (cos, sin) if cos is not None else (empty, empty)
     return kernels().cache_key_tiles(kv_cache, block_ids, first, count, cos, sin, origin, tiles)
 
 
@@ -123,14 +121,14 @@ def cache_values(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: in
     return kernels().cache_values(kv_cache, block_ids, seq_len)
 
 
-def prefill_inputs(*, query_scale: torch.Tensor, near: Rotation, far: Rotation, context: int, window: int,
-                   near_origin: int):
+def prefill_inputs(*, query_scale: torch.Tensor, near_cos: torch.Tensor, near_sin: torch.Tensor,
+                   far_cos: torch.Tensor, far_sin: torch.Tensor, context: int, window: int, near_origin: int):
     """One prefill row's chunk of ``L`` queries at ``context .. context + L - 1`` as the C++
-    prefill reads it (``PrefillInputs``): query_scale ``[L]``, each query's near and far angle
-    ``[L, d/2]``, and ``near_origin``, the first near key tile's position (a multiple of
+    prefill reads it (``PrefillInputs``): query_scale ``[L]``, the cosines and sines of each
+    query's near and far angle ``[L, d/2]``, and ``near_origin``, the first near key tile's position (a multiple of
     ``KEY_TILE`` at or before the first key any near query sees)."""
-    return packed(kernels().PrefillInputs(), query_scale=query_scale.float(), near_cos=near.cos, near_sin=near.sin,
-                  far_cos=far.cos, far_sin=far.sin, context=context, window=window, near_origin=near_origin)
+    return packed(kernels().PrefillInputs(), query_scale=query_scale.float(), near_cos=near_cos, near_sin=near_sin,
+                  far_cos=far_cos, far_sin=far_sin, context=context, window=window, near_origin=near_origin)
 
 
 def prefill_attention(inputs, *, query: torch.Tensor, near_keys: torch.Tensor, far_keys: torch.Tensor,
