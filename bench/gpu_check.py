@@ -212,9 +212,8 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
     rows, cases = step_rows(sizes), []
     with tqdm(total=len(sizes.shapes) * (len(rows) + len(dtypes)), desc="kernels", unit="step") as bar:
         for seed, shape in enumerate(sizes.shapes):
-            build = partial(paged_step, rows, seed=seed, head=shape.head, kv=shape.kv,
-                            group=shape.queries_per_kv,  # paged_step's name for the GQA ratio
-                            block=BLOCK, grid=torch.bfloat16)  # this shape's step, in a dtype
+            build = partial(paged_step, rows, seed=seed, head=shape.head, kv=shape.kv,  # this shape's step, in a dtype
+                            queries_per_kv=shape.queries_per_kv, block=BLOCK, grid=torch.bfloat16)
             reference = build(dtype=DTYPES["float32"])
             expected = []
             for r in range(len(rows)):

@@ -64,7 +64,7 @@ def draw(generator: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype,
     return values.to(dtype)
 
 
-def paged_step(rows, *, seed=0, head=32, kv=2, group=3, block=16, dtype=torch.float32,
+def paged_step(rows, *, seed=0, head=32, kv=2, queries_per_kv=3, block=16, dtype=torch.float32,
                grid: torch.dtype | None = None) -> PagedStep:
     """A paged cache (blocks shuffled, spare blocks left) holding each row's unrotated keys and
     values up to its context, and this step's new tokens. ``rows``: (settings, tokens in the
@@ -80,7 +80,7 @@ def paged_step(rows, *, seed=0, head=32, kv=2, group=3, block=16, dtype=torch.fl
     for r, n in enumerate(lengths):
         block_table[r, : blocks_per_row[r]] = permutation[start: start + blocks_per_row[r]]
         start += blocks_per_row[r]
-        q, k, v = randn(n, kv * group, head), randn(n, kv, head), randn(n, kv, head)
+        q, k, v = randn(n, kv * queries_per_kv, head), randn(n, kv, head), randn(n, kv, head)
         position = torch.arange(n)
         cache[block_table[r, position // block], :, position % block] = torch.cat((k, v), -1)
         sequences.append((q, k, v))

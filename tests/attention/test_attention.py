@@ -68,7 +68,7 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
 
 def rows_step(seed=0):
     """A step of ``ROWS`` on a paged cache (rope_plugins/testing/paged_steps.py)."""
-    return paged_step(ROWS, seed=seed, head=D, kv=KV, group=QUERIES_PER_KV, block=BLOCK)
+    return paged_step(ROWS, seed=seed, head=D, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK)
 
 
 def make_step(seed=0):

@@ -80,7 +80,7 @@ def captured_launches(dtype: torch.dtype) -> list[Launch]:
 
     rows = [(ExtensionSettings(method="leaky_rerope", window=20, leaky_k=4.0, log_n=True, train_length=64), 30, 40),
             (ExtensionSettings(method="self_extend", window=12, group=4, train_length=64), 100, 1)]
-    step = paged_step(rows, seed=0, head=128, kv=2, group=4, dtype=dtype)  # group: paged_step's GQA ratio
+    step = paged_step(rows, seed=0, head=128, kv=2, queries_per_kv=4, dtype=dtype)
     plan = kernel_plan(step.tables, query_start_cpu=step.starts, query_start=step.starts.to(torch.int32),
                        seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
                        block_table=step.block_table.to(torch.int32), slot_mapping=step.slots)

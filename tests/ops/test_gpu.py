@@ -82,26 +82,26 @@ def assert_matches_oracle(step, dtype, **launch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_decode_every_method_with_and_without_log_n(dtype):
     """Rows of 40-145 keys in splits of 32: each spans several splits; rows end mid-split."""
-    step = paged_step(every_method_rows(40, 1), seed=1, head=64, kv=2, group=3, dtype=dtype)
+    step = paged_step(every_method_rows(40, 1), seed=1, head=64, kv=2, queries_per_kv=3, dtype=dtype)
     assert_matches_oracle(step, dtype)
 
 
 @pytest.mark.slow  # 6-8 s each in the interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_prefill_every_method_with_and_without_log_n(dtype):
-    step = paged_step(every_method_rows(20, 24), seed=2, head=64, kv=2, group=3, dtype=dtype)
+    step = paged_step(every_method_rows(20, 24), seed=2, head=64, kv=2, queries_per_kv=3, dtype=dtype)
     assert_matches_oracle(step, dtype)
 
 
 @pytest.mark.parametrize(("head", "kv", "queries_per_kv"), [(64, 2, 3), (128, 1, 7), (256, 1, 2), (96, 2, 1)],
                          ids=["d64-gqa3", "d128-gqa7", "d256", "d96-pairs-padded"])
 def test_mixed_prefill_and_decode_rows_in_one_step(head, kv, queries_per_kv):
-    step = paged_step(MIXED_ROWS, seed=3, head=head, kv=kv, group=queries_per_kv, block=16)  # paged_step's GQA ratio
+    step = paged_step(MIXED_ROWS, seed=3, head=head, kv=kv, queries_per_kv=queries_per_kv, block=16)
     assert_matches_oracle(step, torch.float32)
 
 
 def test_cache_write_skips_padded_slots():
-    step = paged_step(MIXED_ROWS[:3], seed=4, head=64, kv=2, group=3)
+    step = paged_step(MIXED_ROWS[:3], seed=4, head=64, kv=2, queries_per_kv=3)
     slots = step.slots.clone()
     slots[::5] = -1  # padded tokens: nothing written for them
     cache = torch.zeros_like(step.cache)
