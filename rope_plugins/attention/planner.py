@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rope_plugins.ops import native
 from rope_plugins.rules.rotary import dynamic_length, log_n_scale
 from rope_plugins.rules.settings import DYNAMIC_STEP
 from rope_plugins.worker.row_tables import RowTables
@@ -126,8 +127,6 @@ class DecodePlan:
     @functools.cached_property
     def kernel_inputs(self):
         """The C++ decode's inputs (csrc/attention_inputs.h), packed once per step for every layer's call."""
-        from rope_plugins.ops import native  # the planner serves the Triton kernels too: no C++ there
-
         rows, half = self.query_scale.shape[0], self.query_rotation.cos.shape[-1]
         empty = self.query_rotation.cos.new_empty(0)
         none = Rotation(cos=empty, sin=empty)
