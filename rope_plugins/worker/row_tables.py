@@ -65,7 +65,8 @@ class RowTables:
         self.theta_exponent = torch.zeros(rows, pairs, dtype=torch.float64)
 
     def _tables(self) -> tuple[torch.Tensor, ...]:
-        return (self.theta, self.window, self.leak, self.log_n_length, self.query_factor, self.group,  # RowValues' order
+        # in RowValues' order
+        return (self.theta, self.window, self.leak, self.log_n_length, self.query_factor, self.group,
                 self.dynamic_length, self.theta_exponent)
 
     def write(self, row: int, values: RowValues) -> None:
