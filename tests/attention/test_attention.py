@@ -107,6 +107,16 @@ def test_plain_prefill_in_chunks_of_a_few_queries_matches_oracle():
 
 
 @needs_compiler
+def test_kernels_whose_tiles_disagree_with_the_planner_do_not_load(monkeypatch):
+    """csrc/attention_inputs.h's key tile is the planner's KEY_TILE; a mismatch stops the load."""
+    cpu.built_kernels.cache_clear()
+    monkeypatch.setattr(cpu, "KEY_TILE", 16)
+    with pytest.raises(native.KernelBuildError, match="KEY_TILE"):
+        cpu.built_kernels()
+    cpu.built_kernels.cache_clear()
+
+
+@needs_compiler
 def test_kernel_equals_plain_decode():
     cache, meta, _, query, _, _, _ = make_step(seed=3)
     decode_query = query[meta.decode.tokens]
