@@ -36,9 +36,11 @@ class ReferenceModel:
         from transformers import AttentionInterface, AutoModelForCausalLM
 
         self.settings: ExtensionSettings | None = None
-        AttentionInterface.register(ATTENTION_NAME, self._attention)
-        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                          attn_implementation=ATTENTION_NAME)
+        # transformers' attention registry is global: a name of its own per model, or the model
+        # built last would answer for every earlier one (its settings, its rotary)
+        name = f"{ATTENTION_NAME}_{id(self):x}"
+        AttentionInterface.register(name, self._attention)
+        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation=name)
         self.model.eval()
         config = self.model.config
         rope = config.rope_parameters

@@ -170,3 +170,18 @@ def test_chosen_query_rows_are_those_rows_of_the_whole_answer(method):
     chosen = reference_attention(q, k, v, settings, base=BASE, query_rows=rows, query_rows_per_chunk=2)
     assert chosen.shape == (5, 6, 16)
     assert torch.allclose(chosen, whole[rows], rtol=0, atol=1e-12)  # equal but for the sums' order
+
+
+def test_each_reference_model_answers_for_itself(tmp_path):
+    """transformers' attention registry is global: a second family's oracle model built after
+    the first must not answer for it (the engines' tests share one session-wide oracle)."""
+    from tests.support.reference_forward import ReferenceModel
+    from tests.support.tiny_models import TRAIN_LENGTH, make_tiny_model
+
+    settings = ExtensionSettings(train_length=TRAIN_LENGTH, method="rerope", window=37)
+    ids = list(range(3, 120))
+    llama = ReferenceModel(make_tiny_model(tmp_path / "llama"))
+    before = llama.prompt_logprobs(ids, settings)
+    other = ReferenceModel(make_tiny_model(tmp_path / "qwen2", "qwen2", seed=11))
+    other.prompt_logprobs(ids, settings.model_copy(update={"method": "none"}))
+    assert torch.equal(llama.prompt_logprobs(ids, settings), before)
