@@ -34,8 +34,8 @@ part, and prints a summary. Exit status: 0 when every kernel case is within its 
 ``--interpret`` runs part 1 at small sizes on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, set here before the kernels are imported), in float32 and float16
 (the interpreter's bfloat16 dots are not trustworthy); ``tests/bench/test_gpu_check.py`` runs it,
-and part 2's loop on a stand-in for the engines. The machines this was written on have no
-GPU: part 1 on a GPU and part 2 have never run (docs/design.md says what is verified). If
+and part 2's loop on a stand-in for the engines. Part 1 ran on an NVIDIA H200 once
+(results/gpu_check.json); part 2 has never run (docs/design.md says what is verified). If
 the plugin's engine fails to start on vLLM's V2 model runner, ``--model-runner v1`` runs both
 engines on the V1 runner.
 """
@@ -58,6 +58,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from rope_plugins.attention.planner import KEY_TILE
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16  # tokens per cache block (vLLM's default on CUDA)
@@ -160,10 +162,18 @@ def row_errors(output: torch.Tensor, expected: torch.Tensor) -> dict:
     return {"max_error": error, "scale": scale, "relative_error": error / scale}
 
 
-def run_kernels(step, device: torch.device, sizes: Sizes) -> tuple[torch.Tensor, bool]:
+def key_tiles_of(key_tile: int | None) -> dict[str, int]:
+    """The keys per inner step each attention kernel runs with: ``key_tile`` for both, or (None) their defaults."""
+    from rope_plugins.ops import gpu
+
+    return {"prefill": key_tile or gpu.PREFILL_KEY_TILE, "decode": key_tile or KEY_TILE}
+
+
+def run_kernels(step, device: torch.device, sizes: Sizes, key_tile: int | None = None) -> tuple[torch.Tensor, bool]:
     """The step through the three kernels as the engine runs them: its keys and values
     written (with padded tokens) into a cache whose slots for them hold NaN, then prefill and
-    decode. Returns the output (CPU) and whether the cache write left the cache exactly right."""
+    decode (:func:`key_tiles_of`). Returns the output (CPU) and whether the cache write left
+    the cache exactly right."""
     from rope_plugins.attention.planner import kernel_plan
     from rope_plugins.ops import gpu
 
@@ -180,17 +190,18 @@ def run_kernels(step, device: torch.device, sizes: Sizes) -> tuple[torch.Tensor,
                        block_table=step.block_table.to(torch.int32), slot_mapping=slots[: -PADDED], **launch)
     output = torch.full_like(step.query, float("nan"))
     scale = step.query.shape[-1] ** -0.5
-    gpu.prefill(step.query, cache, plan, output, scale=scale)
-    gpu.decode(step.query, cache, plan, output, scale=scale)
+    tiles = key_tiles_of(key_tile)
+    gpu.prefill(step.query, cache, plan, output, scale=scale, key_tile=tiles["prefill"])
+    gpu.decode(step.query, cache, plan, output, scale=scale, key_tile=tiles["decode"])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return output.cpu(), torch.equal(cache, step.cache)
 
 
 def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, tolerance: float,
-               device: torch.device, sizes: Sizes) -> dict:
+               device: torch.device, sizes: Sizes, key_tile: int | None) -> dict:
     """One step in one dtype against the oracle's rows: the errors and the verdict."""
-    output, cache_exact = run_kernels(step, device, sizes)
+    output, cache_exact = run_kernels(step, device, sizes, key_tile)
     errors = [row_errors(output[int(step.starts[r]): int(step.starts[r + 1])], oracle)
               for r, oracle in enumerate(expected)]
     worst = {key: max(error[key] for error in errors) for key in ("max_error", "relative_error")}
@@ -198,19 +209,22 @@ def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, tol
              **{key: finite(value) for key, value in error.items()}}
             for (settings, context, new), error in zip(step.rows, errors)]
     return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
-            "dtype": dtype, "tokens": int(step.starts[-1]), "keys": int(step.seq_lens.sum()),
+            "dtype": dtype, "key_tiles": key_tiles_of(key_tile), "tokens": int(step.starts[-1]),
+            "keys": int(step.seq_lens.sum()),
             "cache_write_exact": cache_exact, **{key: finite(value) for key, value in worst.items()},
             "tolerance": tolerance, "passed": cache_exact and worst["relative_error"] <= tolerance, "rows": rows}
 
 
-def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float], device: torch.device) -> dict:
-    """Part 1: every shape in every dtype; the oracle once per shape."""
+def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float], device: torch.device, *,
+                  key_tiles: tuple[int | None, ...] = (None,), on_case=lambda cases: None) -> dict:
+    """Part 1: every shape in every dtype, at every key tile (None: the kernels' own); the
+    oracle once per shape. ``on_case`` sees the cases so far after each (a run cut short keeps them)."""
     from tqdm import tqdm
 
     from rope_plugins.testing.paged_steps import paged_step
 
     rows, cases = step_rows(sizes), []
-    with tqdm(total=len(sizes.shapes) * (len(rows) + len(dtypes)), desc="kernels", unit="step") as bar:
+    with tqdm(total=len(sizes.shapes) * (len(rows) + len(dtypes) * len(key_tiles)), desc="kernels", unit="step") as bar:
         for seed, shape in enumerate(sizes.shapes):
             build = partial(paged_step, rows, seed=seed, head=shape.head, kv=shape.kv,  # this shape's step, in a dtype
                             queries_per_kv=shape.queries_per_kv, block=BLOCK, grid=torch.bfloat16)
@@ -221,21 +235,25 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
                 expected.append(reference.expected_row(r))
                 bar.update()
             for dtype in dtypes:
-                bar.set_postfix_str(f"kernels: {shape.label}, {dtype}")
                 step = build(dtype=DTYPES[dtype])
                 assert torch.equal(step.query.float(), reference.query), "the dtypes' steps must hold the same numbers"
-                try:
-                    cases.append(check_case(step, expected, shape, dtype, tolerances[dtype], device, sizes))
-                except Exception as error:  # not compiled or launched here (e.g. bfloat16 before Ampere): a failed case
-                    cases.append(failed_case(shape, dtype, tolerances[dtype], error))
-                bar.update()
-    return {"passed": all(case["passed"] for case in cases), "block_size": BLOCK, "cases": cases}
+                for key_tile in key_tiles:
+                    bar.set_postfix_str(f"kernels: {shape.label}, {dtype}, key tile {key_tile or 'default'}")
+                    try:
+                        cases.append(check_case(step, expected, shape, dtype, tolerances[dtype], device, sizes,
+                                                key_tile))
+                    except Exception as error:  # not compiled or launched here (e.g. bfloat16 before Ampere)
+                        cases.append(failed_case(shape, dtype, tolerances[dtype], error, key_tile))
+                    on_case(cases)
+                    bar.update()
+    return {"passed": all(case["passed"] for case in cases), "complete": True, "block_size": BLOCK, "cases": cases}
 
 
-def failed_case(shape: Shape, dtype: str, tolerance: float, error: Exception) -> dict:
+def failed_case(shape: Shape, dtype: str, tolerance: float, error: Exception, key_tile: int | None) -> dict:
     """A case whose kernels raised: the error instead of the numbers."""
     return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
-            "dtype": dtype, "cache_write_exact": False, "max_error": None, "relative_error": None,
+            "dtype": dtype, "key_tiles": key_tiles_of(key_tile), "cache_write_exact": False,
+            "max_error": None, "relative_error": None,
             "tolerance": tolerance, "passed": False, "rows": [], "error": f"{type(error).__name__}: {error}"[:4000]}
 
 
@@ -345,9 +363,13 @@ def summary(report: dict) -> str:
     kernels = report.get("kernels")
     if kernels:
         lines += ["", "errors: largest |kernel - oracle|, and relative to the largest output of its row",
-                  f"{'shape':<44} {'dtype':<9} {'error':>10} {'relative':>10} {'allowed':>8}  cache  verdict"]
+                  f"{'shape':<44} {'dtype':<9} {'tiles':<6} {'error':>10} {'relative':>10} {'allowed':>8}  "
+                  "cache  verdict"]
         for case in kernels["cases"]:
-            lines.append(f"{case['shape']:<44} {case['dtype']:<9} {number(case['max_error']):>10} "
+            tiles = case.get("key_tiles") or {}
+            lines.append(f"{case['shape']:<44} {case['dtype']:<9} "
+                         f"{tiles.get('prefill', '?')}/{tiles.get('decode', '?'):<3} "
+                         f"{number(case['max_error']):>10} "
                          f"{number(case['relative_error']):>10} {case['tolerance']:>8.0e}  "
                          f"{'exact' if case['cache_write_exact'] else 'WRONG':<5}  "
                          f"{'pass' if case['passed'] else 'FAIL'}")
@@ -372,6 +394,23 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(report: dict) -> str:
+    """Part 1's verdicts as a table (bench/readme.py's block of gpu_check.json)."""
+    env, kernels = report["environment"], report.get("kernels") or {"cases": []}
+    lines = [f"Checked {report['date'][:10]} on an {env['gpu'] or 'interpreter'} (CUDA {env['cuda']}, torch "
+             f"{env['torch']}, Triton {env['triton']}): largest error against the float64 oracle, relative to the "
+             "largest output of its row.", "",
+             "| heads | dtype | key tiles (prefill/decode) | error | relative | allowed | cache write | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for case in kernels["cases"]:
+        tiles = case.get("key_tiles") or {"prefill": KEY_TILE, "decode": KEY_TILE}  # before launches were recorded
+        lines.append(f"| {case['shape']} | {case['dtype']} | {tiles['prefill']}/{tiles['decode']} | "
+                     f"{number(case['max_error'])} | {number(case['relative_error'])} | {case['tolerance']:.0e} | "
+                     f"{'exact' if case['cache_write_exact'] else 'wrong'} | {'pass' if case['passed'] else 'FAIL'} |")
+    verdict = "every case passed" if kernels.get("passed") else "some cases failed or did not run"
+    return "\n".join([*lines, "", f"Kernels: {verdict}."])
+
+
 def tolerance_overrides(items: list[str]) -> dict[str, float]:
     tolerances = dict(TOLERANCE)
     for item in items:
@@ -392,6 +431,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="part 1's dtypes (default: all three on CUDA, float32 and float16 under --interpret)")
     parser.add_argument("--tolerance", action="append", default=[], metavar="DTYPE=VALUE",
                         help=f"largest relative error allowed for a dtype (default {TOLERANCE})")
+    parser.add_argument("--key-tiles", type=int, nargs="+", default=[None],
+                        help="part 1's keys per inner step of both attention kernels, each checked "
+                             "(default: each kernel's own)")
     parser.add_argument("--skip-kernels", action="store_true", help="no part 1")
     parser.add_argument("--skip-speed", action="store_true", help="no part 2")
     parser.add_argument("--model", default=None,
@@ -434,7 +476,12 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
 
     if not args.skip_kernels:
-        report["kernels"] = check_kernels(sizes, dtypes, tolerance_overrides(args.tolerance), device)
+        def partial_kernels(cases: list) -> None:
+            report["kernels"] = {"passed": False, "complete": False, "block_size": BLOCK, "cases": cases}
+            write()
+
+        report["kernels"] = check_kernels(sizes, dtypes, tolerance_overrides(args.tolerance), device,
+                                          key_tiles=tuple(args.key_tiles), on_case=partial_kernels)
         write()
         if device.type == "cuda":
             torch.cuda.empty_cache()  # this process's cached blocks back to the GPU for the engines

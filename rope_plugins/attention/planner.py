@@ -27,8 +27,8 @@ FAR_TABLES_KEPT = 16  # far-key rotation tables kept between steps (one per dist
 DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many keys (it divides csrc's kDecodeChunk)
 
 # the Triton kernels' tiling (rope_plugins/ops/gpu.py)
-QUERY_TILE = 32  # queries per prefill program
-KEY_TILE = 32  # keys per inner step, prefill and decode; the C++ prefill's key tile too (csrc/attention_inputs.h)
+QUERY_TILE = 128  # queries per Triton prefill program (the fastest on an H200, ops/gpu.py)
+KEY_TILE = 32  # keys per inner step: the Triton decode and the C++ prefill (csrc/attention_inputs.h)
 DECODE_SPLITS = 16  # splits of the longest decode row (each at least MIN_SPLIT_KEYS keys)
 MIN_SPLIT_KEYS = 256
 

@@ -5,6 +5,8 @@ Each row's rule comes as numbers, not tables (:class:`KernelPlan`): its frequenc
 groups; 0: none), log-n length and query factor. Angles are formed in float64 inside the
 kernels (position x θ, reduced to ``[-π, π]``) and only then cast, so positions far past
 training keep the float64 oracle's accuracy without a cos/sin table as large as the cache.
+The prefill turns a key tile by angle sums (:func:`rotate_tile`: the tile's first angle in
+float64, plus a per-program table of its offsets' angles), the decode each key by its own.
 
 - :func:`write_cache`: unrotated keys and values into their slots, skipping padded slots (-1).
 - :func:`prefill`: one program per (query tile of a row, query head) walks the row's key
@@ -36,6 +38,11 @@ import triton.language as tl
 
 from rope_plugins.attention.planner import KEY_TILE, KernelPlan
 
+# The prefill launch that ran fastest on an H200 (bench/gpu_kernel_speed.py, with QUERY_TILE 128
+# in the planner); decode keeps KEY_TILE keys per step and 4 warps, its fastest there.
+PREFILL_KEY_TILE = 64
+PREFILL_WARPS = 8
+
 # ---------------------------------------------------------------------------------------------
 # Loads, and the row rule: where a query or key stands, how much a query is scaled
 # ---------------------------------------------------------------------------------------------
@@ -59,14 +66,41 @@ def load_row_rule(row, theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_
 
 
 @triton.jit
-def rotate_pair(first, second, position, theta):
-    """The neox-style halves ``(first, second)`` ``[rows, half]`` rotated by ``position x θ``:
-    the angle in float64, reduced to ``[-π, π]`` before its float32 cosine."""
-    angle = position[:, None] * theta[None, :]
-    angle = angle - 6.283185307179586 * tl.floor(angle * 0.15915494309189535 + 0.5)
-    cos = tl.cos(angle.to(tl.float32))
-    sin = tl.sin(angle.to(tl.float32))
+def reduced_angle(angle):
+    """A float64 angle reduced to ``[-π, π]``, as float32: what its float32 cosine can take exactly."""
+    return (angle - 6.283185307179586 * tl.floor(angle * 0.15915494309189535 + 0.5)).to(tl.float32)
+
+
+@triton.jit
+def rotate_by(first, second, cos, sin):
+    """The neox-style halves ``(first, second)`` rotated by the angles whose cosine and sine are given."""
     return first * cos - second * sin, second * cos + first * sin
+
+
+@triton.jit
+def rotate_pair(first, second, position, theta):
+    """The halves ``[rows, half]`` rotated by ``position x θ``: the angle formed in float64."""
+    angle = reduced_angle(position[:, None] * theta[None, :])
+    return rotate_by(first, second, tl.cos(angle), tl.sin(angle))
+
+
+@triton.jit
+def tile_steps(theta, KEY_TILE: tl.constexpr):
+    """cos and sin of ``j θ`` for the offsets ``j`` of a key tile, ``[KEY_TILE, half]``, once per program."""
+    angle = reduced_angle(tl.arange(0, KEY_TILE).to(tl.float64)[:, None] * theta[None, :])
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rotate_tile(first, second, first_position, theta, steps):
+    """A tile of keys at the consecutive positions ``p + j`` (``p``: ``first_position``, float64)
+    rotated by ``(p + j) θ``: ``p θ`` formed in float64 once per tile, then added to the tile's
+    :func:`tile_steps` (the angle-sum identities), so no key needs a float64 product or a cosine."""
+    base = reduced_angle(first_position * theta)
+    base_cos, base_sin = tl.cos(base)[None, :], tl.sin(base)[None, :]
+    step_cos, step_sin = steps
+    cos = base_cos * step_cos - base_sin * step_sin
+    return rotate_by(first, second, cos, base_sin * step_cos + base_cos * step_sin)
 
 
 @triton.jit
@@ -85,11 +119,21 @@ def far_key_position(key_position, leak, group):
 
 
 @triton.jit
-def far_keys(keys, key_position, leak, group, theta):
-    """Keys at their far angle (:func:`far_key_position` x θ); read raw under ReRoPE (``ρ = 0``)."""
+def far_keys(keys, first_key, key_position, leak, group, theta, steps, STEPS: tl.constexpr):
+    """Keys at their far angle (:func:`far_key_position` x θ); read raw under ReRoPE (``ρ = 0``).
+    Ungrouped, a tile's far positions ``(p + j) ρ`` are consecutive steps of ``ρ θ`` (``STEPS``:
+    :func:`rotate_tile`, else one angle per key)."""
     far_first, far_second = keys
     if leak != 0.0:
-        far_first, far_second = rotate_pair(far_first, far_second, far_key_position(key_position, leak, group), theta)
+        far_position = far_key_position(key_position, leak, group)
+        if STEPS:  # a constexpr: decode has no steps to read
+            if group == 0:
+                far_first, far_second = rotate_tile(far_first, far_second, tl.cast(first_key, tl.float64) * leak,
+                                                    theta, steps[1])
+            else:
+                far_first, far_second = rotate_pair(far_first, far_second, far_position, theta)
+        else:
+            far_first, far_second = rotate_pair(far_first, far_second, far_position, theta)
     return far_first, far_second
 
 
@@ -153,20 +197,24 @@ def pair_scores(query, key, DOT: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def tile_scores(near_query, far_query, keys, first_key, key_position, distance, first_query, last_query, rule,
-                DOT: tl.constexpr, PRECISION: tl.constexpr):
+                steps, DOT: tl.constexpr, PRECISION: tl.constexpr, STEPS: tl.constexpr):
     """One key tile's scores ``[rows, keys]``: near pairs (``m - n < w``) score the near query
     against the keys rotated to ``n θ``, the others the far query against the far keys; each
-    half computed only when some pair of the tile needs it (queries ``first_query .. last_query``)."""
+    half computed only when some pair of the tile needs it (queries ``first_query .. last_query``).
+    ``STEPS``: keys rotated by ``steps``, the near and far :func:`tile_steps` (:func:`rotate_tile`)."""
     theta, window, leak, group, _, _ = rule
     near = distance < window
     scores = tl.zeros(distance.shape, tl.float32)
     last_key = first_key + key_position.shape[0] - 1
     if (window > 0) & (first_query - last_key < window):  # some pair is near
-        rotated = rotate_pair(keys[0], keys[1], key_position.to(tl.float64), theta)
+        if STEPS:
+            rotated = rotate_tile(keys[0], keys[1], tl.cast(first_key, tl.float64), theta, steps[0])
+        else:
+            rotated = rotate_pair(keys[0], keys[1], key_position.to(tl.float64), theta)
         scores = tl.where(near, pair_scores(near_query, rotated, DOT, PRECISION), scores)
     if last_query - first_key >= window:  # some pair is far
-        scores = tl.where(near, scores, pair_scores(far_query, far_keys(keys, key_position, leak, group, theta),
-                                                    DOT, PRECISION))
+        far = far_keys(keys, first_key, key_position, leak, group, theta, steps, STEPS)
+        scores = tl.where(near, scores, pair_scores(far_query, far, DOT, PRECISION))
     return scores
 
 
@@ -212,6 +260,13 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
     running_max = tl.full(position.shape, float("-inf"), tl.float32)
     running_sum = tl.zeros(position.shape, tl.float32)
     out = tl.zeros(near_query[0].shape, tl.float32), tl.zeros(near_query[0].shape, tl.float32)
+    # Prefill rotates each key tile by angle sums (1.4x faster on an H200, bench/results/gpu_kernel_speed.json);
+    # decode, whose broadcast sums already fill the registers, forms each key's angle (the tables made it slower).
+    theta, _, leak, _, _, _ = rule
+    if PREFILL:
+        steps = tile_steps(theta, KEY_TILE), tile_steps(theta * leak, KEY_TILE)
+    else:
+        steps = None
     for first_key in range(key_start, tl.minimum(key_end, last_query + 1), KEY_TILE):  # none after the last query
         key_position = first_key + tl.arange(0, KEY_TILE)
         valid = key_position < key_end
@@ -221,7 +276,7 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
         keys = keys[0].to(tl.float32), keys[1].to(tl.float32)
         distance = position[:, None] - key_position[None, :]
         scores = tile_scores(near_query, far_query, keys, first_key, key_position, distance, first_query, last_query,
-                             rule, PREFILL, PRECISION)
+                             rule, steps, PREFILL, PRECISION, PREFILL)
         if PREFILL:
             scores = tl.where((distance >= 0) & valid[None, :], scores, float("-inf"))
         else:
@@ -423,7 +478,7 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def attention_arguments(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan) -> dict:
+def attention_arguments(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, key_tile: int) -> dict:
     """What both attention kernels take alike: the queries, the paged cache, the step's rows,
     the row rule (KernelPlan's numbers) and the sizes."""
     heads, head = query.shape[1], query.shape[2]
@@ -437,23 +492,25 @@ def attention_arguments(query: torch.Tensor, kv_cache: torch.Tensor, plan: Kerne
         stride_ch=kv_cache.stride(1), stride_cs=kv_cache.stride(2), stride_bt=plan.block_table.stride(0),
         stride_theta=plan.theta.stride(0),
         BLOCK_SIZE=kv_cache.shape[2], QUERIES_PER_KV=heads // kv_cache.shape[1], HALF=head // 2,
-        HALF_PAD=pairs_padded(head), KEY_TILE=KEY_TILE)
+        HALF_PAD=pairs_padded(head), KEY_TILE=key_tile)
 
 
 def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
-            scale: float) -> None:
-    """Every prefill row's queries ``[T, heads, d]`` (unrotated) into ``output``."""
+            scale: float, key_tile: int = PREFILL_KEY_TILE, num_warps: int = PREFILL_WARPS) -> None:
+    """Every prefill row's queries ``[T, heads, d]`` (unrotated) into ``output``; ``key_tile`` and
+    ``num_warps``: launch choices (bench/gpu_kernel_speed.py sweeps them), any of which is exact."""
     tiles = plan.prefill_tiles
     if tiles is None:
         return
     prefill_kernel[(tiles.row.numel(), query.shape[1])](
         out_ptr=output, softmax_scale=scale, tile_row_ptr=tiles.row, tile_start_ptr=tiles.start,
         stride_ot=output.stride(0), stride_oh=output.stride(1), QUERY_TILE=tiles.size,
-        PRECISION=dot_precision(query.dtype), **attention_arguments(query, kv_cache, plan))
+        PRECISION=dot_precision(query.dtype), num_warps=num_warps,
+        **attention_arguments(query, kv_cache, plan, key_tile))
 
 
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
-           scale: float) -> None:
+           scale: float, key_tile: int = KEY_TILE, num_warps: int = 4) -> None:
     """Every decode row's query ``[heads, d]`` (unrotated) into ``output``: split-K, then a reduce."""
     rows = plan.decode_rows
     if rows is None:
@@ -465,7 +522,8 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output
         partial_ptr=partial, lse_ptr=lse, softmax_scale=scale, decode_rows_ptr=rows.row, split_keys=rows.split_keys,
         stride_pr=partial.stride(0), stride_ph=partial.stride(1), stride_ps=partial.stride(2),
         stride_lr=lse.stride(0), stride_lh=lse.stride(1),
-        QUERIES_PER_KV_PAD=triton.next_power_of_2(heads // kv_heads), **attention_arguments(query, kv_cache, plan))
+        QUERIES_PER_KV_PAD=triton.next_power_of_2(heads // kv_heads), num_warps=num_warps,
+        **attention_arguments(query, kv_cache, plan, key_tile))
     decode_reduce_kernel[(count, heads)](
         out_ptr=output, partial_ptr=partial, lse_ptr=lse, query_start_ptr=plan.query_start, decode_rows_ptr=rows.row,
         splits=rows.splits, stride_ot=output.stride(0), stride_oh=output.stride(1), stride_pr=partial.stride(0),

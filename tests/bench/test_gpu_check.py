@@ -87,7 +87,7 @@ def test_a_tolerance_below_the_error_fails_and_keeps_the_errors():
 
 def test_a_failed_case_is_exit_status_1_with_the_report_written(tmp_path, monkeypatch):
     failed = {"passed": False, "block_size": 16, "cases": []}
-    monkeypatch.setattr(gpu_check, "check_kernels", lambda *args: failed)
+    monkeypatch.setattr(gpu_check, "check_kernels", lambda *args, **kwargs: failed)
     out = tmp_path / "report.json"
     assert gpu_check.main(["--interpret", "--out", str(out)]) == 1
     assert json.loads(out.read_text())["kernels"] == failed

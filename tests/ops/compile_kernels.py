@@ -33,6 +33,7 @@ class Launch:
 
     kernel: triton.runtime.JITFunction
     arguments: dict
+    options: dict  # the launch's own compile options (num_warps)
 
     def signature(self) -> tuple[dict, dict]:
         """Triton's types of the arguments, and the constexprs' values."""
@@ -53,7 +54,7 @@ class Launch:
 
     def compile(self, target: GPUTarget):
         signature, constexprs = self.signature()
-        return triton.compile(ASTSource(self.kernel, signature, constexprs), target=target)
+        return triton.compile(ASTSource(self.kernel, signature, constexprs), target=target, options=self.options)
 
 
 class Recorder:
@@ -65,7 +66,8 @@ class Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             names = [param.name for param in self.kernel.params]
-            self.launches.append(Launch(self.kernel, {**dict(zip(names, args)), **kwargs}))
+            options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+            self.launches.append(Launch(self.kernel, {**dict(zip(names, args)), **kwargs}, options))
 
         return launch
 

@@ -1,0 +1,292 @@
+"""The Triton kernels' own speed on a GPU, at real sizes, beside PyTorch's FlashAttention:
+what can be timed on a CUDA machine that has no vLLM (``bench/gpu_check.py``'s part 2 needs
+vLLM's CUDA build and times whole engines).
+
+    python bench/gpu_kernel_speed.py                       # Llama 3 8B heads, bfloat16
+    python bench/gpu_kernel_speed.py --prefill 8192 --decode-context 16384 --decode-rows 8
+
+- **Prefill**: one row's first chunk of ``--prefill`` tokens over the paged cache (16-token
+  blocks, shuffled), per method, against ``torch.nn.functional.scaled_dot_product_attention``
+  restricted to its FlashAttention backend, causal, on the same (contiguous) queries, keys and
+  values already rotated. The plugin's kernel rotates queries and keys itself and, for
+  ReRoPE-style methods, scores straddling tiles twice; the baseline does neither. Swept over
+  the planner's query tile (``--query-tiles``).
+- **Decode**: ``--decode-rows`` rows of ``--decode-context`` cached keys, one query each; the
+  cache bytes read per second (the bound for decode) and the same against FlashAttention on
+  the GQA heads (``enable_gqa``).
+- **A real-size check**: plain RoPE (``method="none"``) from the kernels against
+  FlashAttention on keys and queries rotated in float32 by PyTorch: the largest difference
+  relative to the largest output.
+
+Times are medians of ``triton.testing.do_bench``. Writes ``--out`` (JSON) and prints a table.
+FlashAttention here is PyTorch's build (FlashAttention-2 kernels); vLLM's own backend on a
+Hopper GPU is FlashAttention-3 on the paged cache, which this script does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK = 16
+BASE = 500000.0  # Llama 3's rotary base
+TRAIN = 8192
+METHODS = {"none": dict(method="none"), "rerope": dict(method="rerope", window=TRAIN // 4),
+           "leaky_rerope": dict(method="leaky_rerope", window=TRAIN // 4, leaky_k=16.0),
+           "ntk_mixed": dict(method="ntk_mixed", factor=4.0), "yarn": dict(method="yarn", factor=4.0)}
+
+
+def paged_cache(seq_lens: list[int], kv: int, head: int, dtype: torch.dtype, device, generator):
+    """A random paged cache holding each row's keys and values, and the rows' block table."""
+    blocks_per_row = [-(-n // BLOCK) for n in seq_lens]
+    cache = torch.randn(sum(blocks_per_row) + 1, kv, BLOCK, 2 * head, generator=generator, device=device).to(dtype)
+    order = torch.randperm(cache.shape[0], generator=generator, device=device)
+    table = torch.zeros(len(seq_lens), max(blocks_per_row), dtype=torch.int32, device=device)
+    start = 0
+    for r, count in enumerate(blocks_per_row):
+        table[r, :count] = order[start: start + count].to(torch.int32)
+        start += count
+    return cache, table
+
+
+def plan_for(methods: list[str], query_lens: list[int], seq_lens: list[int], table, head: int, device,
+             query_tile: int | None = None):
+    """The engine's KernelPlan for rows of the given methods."""
+    from rope_plugins.attention.planner import kernel_plan
+    from rope_plugins.rules.checkpoint import CheckpointRotary
+    from rope_plugins.rules.settings import ExtensionSettings
+    from rope_plugins.worker.row_tables import RowTables, row_values
+
+    tables = RowTables(len(methods), head // 2)
+    rotary = CheckpointRotary.plain(head, BASE, TRAIN)
+    for r, method in enumerate(methods):
+        tables.write(r, row_values(ExtensionSettings(train_length=TRAIN, **METHODS[method]), rotary))
+    starts = torch.tensor([0, *query_lens]).cumsum(0)
+    launch = {} if query_tile is None else {"query_tile": query_tile}
+    return kernel_plan(tables, query_start_cpu=starts, query_start=starts.to(device, torch.int32),
+                       seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), max_seq_len=max(seq_lens),
+                       block_table=table, slot_mapping=torch.zeros(0, dtype=torch.int64, device=device), **launch)
+
+
+def rotated(x: torch.Tensor, positions: torch.Tensor, head: int) -> torch.Tensor:
+    """Neox-style rotary of ``x`` ``[T, heads, d]`` at ``positions``, in float32."""
+    theta = BASE ** (-torch.arange(0, head, 2, dtype=torch.float64, device=x.device) / head)
+    angle = positions.double()[:, None] * theta
+    cos, sin = angle.cos().float()[:, None], angle.sin().float()[:, None]
+    first, second = x.float().chunk(2, -1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), -1)
+
+
+def contiguous_kv(cache: torch.Tensor, table: torch.Tensor, row: int, length: int, head: int):
+    """Row ``row``'s keys and values ``[length, kv, d]`` out of the paged cache."""
+    position = torch.arange(length, device=cache.device)
+    entries = cache[table[row, position // BLOCK].long(), :, position % BLOCK]
+    return entries[..., :head], entries[..., head:]
+
+
+def flash(query, key, value, *, causal: bool) -> torch.Tensor:
+    """PyTorch's FlashAttention on ``[B, heads, T, d]`` (GQA by ``enable_gqa``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=causal,
+                                                                enable_gqa=key.shape[1] != query.shape[1])
+
+
+def timed(fn) -> float:
+    """Median milliseconds of ``fn``."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def prefill_speed(args, device, generator) -> dict:
+    from rope_plugins.ops import gpu
+
+    heads, kv, head, n, dtype = args.heads, args.kv_heads, args.head, args.prefill, args.torch_dtype
+    cache, table = paged_cache([n], kv, head, dtype, device, generator)
+    query = torch.randn(n, heads, head, generator=generator, device=device).to(dtype)
+    output = torch.empty_like(query)
+    scale = head ** -0.5
+    key, value = contiguous_kv(cache, table, 0, n, head)
+    positions = torch.arange(n, device=device)
+    q = rotated(query, positions, head).to(dtype).transpose(0, 1)[None]
+    k = rotated(key, positions, head).to(dtype).transpose(0, 1)[None]
+    v = value.transpose(0, 1)[None].contiguous()
+    baseline_ms = timed(lambda: flash(q, k, v, causal=True))
+    flops = 4 * heads * head * n * (n + 1) / 2  # QK^T and PV over the causal half
+    result = {"tokens": n, "flash_ms": baseline_ms, "flash_tflops": flops / baseline_ms / 1e9, "methods": {}}
+    expected = flash(q, k, v, causal=True)[0].transpose(0, 1).float()
+    launches = [(tile, key_tile, warps) for tile in args.query_tiles for key_tile in args.key_tiles
+                for warps in args.warps]
+    for method in args.methods:
+        for tile, key_tile, warps in launches if method in args.sweep_methods else launches[:1] + [args.best_prefill]:
+            plan = plan_for([method], [n], [n], table, head, device, query_tile=tile)
+            run = partial(gpu.prefill, query, cache, plan, output, scale=scale, key_tile=key_tile, num_warps=warps)
+            try:
+                ms = timed(run)
+            except Exception as error:  # e.g. out of shared memory at this launch
+                print(f"prefill {method} {tile}/{key_tile}/{warps}: {type(error).__name__}: {error}"[:300], flush=True)
+                continue
+            entry = {"query_tile": tile, "key_tile": key_tile, "num_warps": warps, "ms": ms,
+                     "x_flash": ms / baseline_ms, "tflops": flops / ms / 1e9}
+            if method == "none":
+                run()
+                entry["relative_error_vs_flash"] = float((output.float() - expected).abs().max() / expected.abs().max())
+            result["methods"].setdefault(method, []).append(entry)
+            print(f"prefill {n}: {method:<13} q{tile:>3} k{key_tile:>3} w{warps}: {ms:8.2f} ms, "
+                  f"{ms / baseline_ms:5.2f}x flash ({baseline_ms:.2f} ms)", flush=True)
+    return result
+
+
+def decode_speed(args, device, generator) -> dict:
+    from rope_plugins.ops import gpu
+
+    heads, kv, head, rows, n, dtype = (args.heads, args.kv_heads, args.head, args.decode_rows, args.decode_context,
+                                       args.torch_dtype)
+    cache, table = paged_cache([n] * rows, kv, head, dtype, device, generator)
+    query = torch.randn(rows, heads, head, generator=generator, device=device).to(dtype)
+    output = torch.empty_like(query)
+    scale = head ** -0.5
+    cache_bytes = rows * n * kv * head * 2 * cache.element_size()
+    keys = [contiguous_kv(cache, table, r, n, head) for r in range(rows)]
+    positions = torch.arange(n, device=device)
+    k = torch.stack([rotated(key, positions, head).to(dtype).transpose(0, 1) for key, _ in keys])
+    v = torch.stack([value.transpose(0, 1) for _, value in keys]).contiguous()
+    q = rotated(query, torch.full((rows,), n - 1, device=device), head).to(dtype)[:, :, None]
+    baseline_ms = timed(lambda: flash(q, k, v, causal=False))
+    expected = flash(q, k, v, causal=False)[:, :, 0].float()
+    result = {"rows": rows, "context": n, "cache_bytes": cache_bytes, "flash_ms": baseline_ms,
+              "flash_gbps": cache_bytes / baseline_ms / 1e6, "methods": {}}
+    for method in args.methods:
+        plan = plan_for([method] * rows, [1] * rows, [n] * rows, table, head, device)
+        for key_tile in args.decode_key_tiles:
+            run = partial(gpu.decode, query, cache, plan, output, scale=scale, key_tile=key_tile)
+            try:
+                ms = timed(run)
+            except Exception as error:
+                print(f"decode {method} k{key_tile}: {type(error).__name__}: {error}"[:300], flush=True)
+                continue
+            entry = {"key_tile": key_tile, "ms": ms, "x_flash": ms / baseline_ms, "gbps": cache_bytes / ms / 1e6,
+                     "splits": plan.decode_rows.splits, "split_keys": plan.decode_rows.split_keys}
+            if method == "none":
+                run()
+                entry["relative_error_vs_flash"] = float((output.float() - expected).abs().max() / expected.abs().max())
+            result["methods"].setdefault(method, []).append(entry)
+            print(f"decode {rows} x {n}: {method:<13} k{key_tile:>3}: {ms:8.3f} ms, {ms / baseline_ms:5.2f}x flash "
+                  f"({baseline_ms:.3f} ms), {entry['gbps']:.0f} GB/s", flush=True)
+    return result
+
+
+def entries(part: dict) -> dict[str, list[dict]]:
+    """Each method's timed launches; a launch that names no tile or warps ran the kernels' own
+    (key tile 32, 4 warps, in this script's first version)."""
+    defaults = {"key_tile": 32, "num_warps": 4}
+    return {method: [{**defaults, **entry} for entry in (runs if isinstance(runs, list) else [runs])]
+            for method, runs in part.get("methods", {}).items()}
+
+
+def best_launches(report: dict) -> dict:
+    """The fastest launch of each method, for prefill and for decode."""
+    return {f"{part}_best": {method: min(runs, key=lambda e: e["ms"]) for method, runs in entries(report[part]).items()}
+            for part in ("prefill", "decode") if "methods" in report.get(part, {})}
+
+
+def markdown(report: dict) -> str:
+    """The fastest launch of each method against FlashAttention, as a table."""
+    launches = best_launches(report)
+    best, decode = launches.get("prefill_best", {}), launches.get("decode_best", {})
+    shape = report["shape"]
+    lines = [f"Measured {report['date'][:10]} on an {report['gpu']} (torch {report['torch']}, Triton "
+             f"{report['triton']}): {shape['heads']} query / {shape['kv_heads']} KV heads of {shape['head']}, "
+             f"{shape['dtype']}, 16-token blocks. The fastest launch of each method; FlashAttention is PyTorch's.", ""]
+    if best:
+        prefill = report["prefill"]
+        lines += [f"Prefill of {prefill['tokens']:,} tokens (FlashAttention {prefill['flash_ms']:.2f} ms, "
+                  f"{prefill['flash_tflops']:.0f} TFLOP/s):", "",
+                  "| method | ms | x flash | TFLOP/s | query tile | key tile | warps |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {m} | {e['ms']:.2f} | {e['x_flash']:.2f} | {e['tflops']:.0f} | {e['query_tile']} | "
+                  f"{e.get('key_tile', 32)} | {e.get('num_warps', 4)} |" for m, e in best.items()]
+        lines.append("")
+    if decode:
+        part = report["decode"]
+        lines += [f"Decode, {part['rows']} rows of {part['context']:,} keys (FlashAttention {part['flash_ms']:.3f} ms, "
+                  f"{part['flash_gbps']:.0f} GB/s of cache):", "",
+                  "| method | ms | x flash | GB/s | key tile |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {m} | {e['ms']:.3f} | {e['x_flash']:.2f} | {e['gbps']:.0f} | {e.get('key_tile', 32)} |"
+                  for m, e in decode.items()]
+        lines.append("")
+    errors = [e["relative_error_vs_flash"] for runs in (*entries(report.get("prefill", {})).values(),
+                                                        *entries(report.get("decode", {})).values())
+              for e in runs if "relative_error_vs_flash" in e]
+    if errors:
+        lines.append(f"Plain RoPE (`none`) against FlashAttention on keys rotated by PyTorch, every launch: largest "
+                     f"difference {max(errors):.4f} of the largest output ({shape['dtype']}'s rounding step is "
+                     f"{torch.finfo(getattr(torch, shape['dtype'])).eps:.4f}).")
+    return "\n".join(lines).rstrip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head", type=int, default=128)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--prefill", type=int, default=16384, help="tokens of the prefill chunk (context 0)")
+    parser.add_argument("--query-tiles", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--key-tiles", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--sweep-methods", nargs="+", choices=list(METHODS), default=["none", "rerope", "leaky_rerope"],
+                        help="methods timed at every launch; the others at the first and --best-prefill")
+    parser.add_argument("--best-prefill", type=int, nargs=3, default=[128, 64, 8], metavar=("QTILE", "KTILE", "WARPS"))
+    parser.add_argument("--decode-key-tiles", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--decode-rows", type=int, default=16)
+    parser.add_argument("--decode-context", type=int, default=32768)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_kernel_speed.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_kernel_speed: no CUDA device here")
+        return 2
+    import triton
+
+    args.torch_dtype = getattr(torch, args.dtype)
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "triton": triton.__version__, "python": platform.python_version(),
+              "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head": args.head, "dtype": args.dtype,
+                        "block": BLOCK, "base": BASE, "train_length": TRAIN}}
+
+    def write() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    for part, measure in (("decode", decode_speed), ("prefill", prefill_speed)):
+        try:
+            report[part] = measure(args, device, generator)
+        except Exception as error:  # keep the other part's numbers
+            import traceback
+
+            report[part] = {"error": traceback.format_exc(limit=-4)}
+            print(f"{part} failed: {type(error).__name__}: {error}", flush=True)
+        write()
+        torch.cuda.empty_cache()
+    report.update(best_launches(report))
+    print(markdown(report))
+    write()
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
