@@ -25,6 +25,11 @@ def test_defaults_and_derived_window():
         ({"window": 8192}, "window", "smaller than train_length (8192)"),
         ({"window": 5000, "train_length": 4096}, "window", "smaller than train_length (4096)"),
         ({"leaky_k": 0.5}, "leaky_k", "greater than or equal to 1"),
+        # the upper bounds: every number a request may send is bounded
+        ({"factor": 2048}, "factor", "less than or equal to 1024"),
+        ({"leaky_k": 1e6}, "leaky_k", "less than or equal to 65536"),
+        ({"train_length": (1 << 24) + 1}, "train_length", "less than or equal to 16777216"),
+        ({"group": 128}, "group", "less than or equal to 64"),
         ({"beta": 1.5}, "beta", "less than or equal to 1"),
         ({"beta": "high"}, "beta", "valid number"),
         ({"log_n": "yes"}, "log_n", "valid boolean"),
