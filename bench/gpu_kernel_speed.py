@@ -107,6 +107,20 @@ def timed(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
+def measure(run, label: str, output: torch.Tensor, expected: torch.Tensor | None) -> dict | None:
+    """``run``'s median milliseconds (None, said, where this launch fails: e.g. out of shared
+    memory); with ``expected``, also its output's largest difference from it, relative to its largest value."""
+    try:
+        entry = {"ms": timed(run)}
+    except Exception as error:
+        print(f"{label}: {type(error).__name__}: {error}"[:300], flush=True)
+        return None
+    if expected is not None:
+        run()
+        entry["relative_error_vs_flash"] = float((output.float() - expected).abs().max() / expected.abs().max())
+    return entry
+
+
 def prefill_speed(args, device, generator) -> dict:
     from rope_plugins.ops import gpu
 
@@ -130,16 +144,13 @@ def prefill_speed(args, device, generator) -> dict:
         for tile, key_tile, warps in launches if method in args.sweep_methods else launches[:1] + [args.best_prefill]:
             plan = plan_for([method], [n], [n], table, head, device, query_tile=tile)
             run = partial(gpu.prefill, query, cache, plan, output, scale=scale, key_tile=key_tile, num_warps=warps)
-            try:
-                ms = timed(run)
-            except Exception as error:  # e.g. out of shared memory at this launch
-                print(f"prefill {method} {tile}/{key_tile}/{warps}: {type(error).__name__}: {error}"[:300], flush=True)
+            entry = measure(run, f"prefill {method} {tile}/{key_tile}/{warps}", output,
+                            expected if method == "none" else None)
+            if entry is None:
                 continue
-            entry = {"query_tile": tile, "key_tile": key_tile, "num_warps": warps, "ms": ms,
-                     "x_flash": ms / baseline_ms, "tflops": flops / ms / 1e9}
-            if method == "none":
-                run()
-                entry["relative_error_vs_flash"] = float((output.float() - expected).abs().max() / expected.abs().max())
+            ms = entry["ms"]
+            entry.update(query_tile=tile, key_tile=key_tile, num_warps=warps, x_flash=ms / baseline_ms,
+                         tflops=flops / ms / 1e9)
             result["methods"].setdefault(method, []).append(entry)
             print(f"prefill {n}: {method:<13} q{tile:>3} k{key_tile:>3} w{warps}: {ms:8.2f} ms, "
                   f"{ms / baseline_ms:5.2f}x flash ({baseline_ms:.2f} ms)", flush=True)
@@ -169,16 +180,12 @@ def decode_speed(args, device, generator) -> dict:
         plan = plan_for([method] * rows, [1] * rows, [n] * rows, table, head, device)
         for key_tile in args.decode_key_tiles:
             run = partial(gpu.decode, query, cache, plan, output, scale=scale, key_tile=key_tile)
-            try:
-                ms = timed(run)
-            except Exception as error:
-                print(f"decode {method} k{key_tile}: {type(error).__name__}: {error}"[:300], flush=True)
+            entry = measure(run, f"decode {method} k{key_tile}", output, expected if method == "none" else None)
+            if entry is None:
                 continue
-            entry = {"key_tile": key_tile, "ms": ms, "x_flash": ms / baseline_ms, "gbps": cache_bytes / ms / 1e6,
-                     "splits": plan.decode_rows.splits, "split_keys": plan.decode_rows.split_keys}
-            if method == "none":
-                run()
-                entry["relative_error_vs_flash"] = float((output.float() - expected).abs().max() / expected.abs().max())
+            ms = entry["ms"]
+            entry.update(key_tile=key_tile, x_flash=ms / baseline_ms, gbps=cache_bytes / ms / 1e6,
+                         splits=plan.decode_rows.splits, split_keys=plan.decode_rows.split_keys)
             result["methods"].setdefault(method, []).append(entry)
             print(f"decode {rows} x {n}: {method:<13} k{key_tile:>3}: {ms:8.3f} ms, {ms / baseline_ms:5.2f}x flash "
                   f"({baseline_ms:.3f} ms), {entry['gbps']:.0f} GB/s", flush=True)

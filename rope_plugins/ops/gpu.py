@@ -260,7 +260,8 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
     running_max = tl.full(position.shape, float("-inf"), tl.float32)
     running_sum = tl.zeros(position.shape, tl.float32)
     out = tl.zeros(near_query[0].shape, tl.float32), tl.zeros(near_query[0].shape, tl.float32)
-    # Prefill rotates each key tile by angle sums (1.4x faster on an H200, bench/results/gpu_kernel_speed.json);
+    # Prefill rotates each key tile by angle sums (1.4x faster on an H200 at the same launch,
+    # bench/results/gpu_kernel_speed_{key,tile}_angles.json);
     # decode, whose broadcast sums already fill the registers, forms each key's angle (the tables made it slower).
     theta, _, leak, _, _, _ = rule
     if PREFILL:
