@@ -124,7 +124,7 @@ def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     rows, seq = key.shape[:2]
     isa = _get_attn_isa(query.dtype, BLOCK, HEAD_DIM)
     per_row = -(-seq // BLOCK)
-    key_cache, value_cache = torch.empty(rows * per_row, KV_HEADS, 2 * BLOCK, HEAD_DIM).chunk(2, dim=2)
+    key_cache, value_cache = torch.empty(rows * per_row, KV_HEADS, 2 * BLOCK, HEAD_DIM, dtype=key.dtype).chunk(2, dim=2)
     block_table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
     slots = (block_table[:, :, None] * BLOCK + torch.arange(BLOCK, dtype=torch.int32)).flatten(1)[:, :seq]
     ops.cpu_attn_reshape_and_cache(key.flatten(0, 1), value.flatten(0, 1), key_cache, value_cache,
@@ -156,7 +156,7 @@ def plugin_decode(window: int, far_rule: bool):
     def prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         rows, seq = key.shape[:2]
         half, per_row = HEAD_DIM // 2, -(-seq // BLOCK)
-        cache = torch.zeros(rows * per_row, BLOCK, KV_HEADS, 2 * HEAD_DIM)
+        cache = torch.zeros(rows * per_row, BLOCK, KV_HEADS, 2 * HEAD_DIM, dtype=key.dtype)
         cache.view(rows, per_row * BLOCK, KV_HEADS, 2 * HEAD_DIM)[:, :seq] = torch.cat((key, value), dim=-1)
         cache = cache.transpose(1, 2).contiguous()
         ones = lambda *shape: torch.ones(*shape, half)  # noqa: E731
@@ -170,7 +170,8 @@ def plugin_decode(window: int, far_rule: bool):
             near_cos=ones(rows, window), near_sin=zeros(rows, window), far_step_cos=ones(1, -(-seq // step)),
             far_step_sin=zeros(1, -(-seq // step)), far_offset_cos=ones(1, step), far_offset_sin=zeros(1, step),
             far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64))
-        return lambda: native.decode_attention(inputs, query=query, kv_cache=cache, scale=SCALE)
+        # as the engine calls it (rope_plugins/ops/cpu.py): a float32 query, the output in the model's dtype
+        return lambda: native.decode_attention(inputs, query=query.float(), kv_cache=cache, scale=SCALE).to(query.dtype)
 
     return prepare
 

@@ -162,8 +162,11 @@ def memory_bandwidth(gib: float = 1.0, reps: int = 5) -> dict[str, float]:
     return {"copy_gb_per_second": max(copy) / 1e9, "read_gb_per_second": max(read) / 1e9}
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def weight_bytes(model: str, dtype_bytes: int = 4) -> int:
-    """Bytes of the checkpoint's weights as the engine holds them (float32): what every decode
+    """Bytes of the checkpoint's weights as the engine holds them (``dtype_bytes`` each): what every decode
     step reads once (the tied embedding counted once, as the output layer reads it)."""
     from safetensors import safe_open
 
@@ -202,6 +205,8 @@ def parse_args() -> argparse.Namespace:
                         help="extra lengths for stock and rerope only (the scaling plot)")
     parser.add_argument("--scaling-reps", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
+    parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
+                        help="both engines' model dtype (weights, activations and KV cache)")
     parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
     parser.add_argument("--show-rep", type=int, metavar="REP",
                         help="print the table of one repetition (1-based) from --out and stop")
@@ -264,7 +269,7 @@ class SpeedRun:
         bandwidth = memory_bandwidth()  # before the engines start: the machine alone
         longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
         max_len = 1 << (longest - 1).bit_length()
-        common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
+        common = dict(dtype=args.dtype, kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
                       max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
         compute_on_every_core()  # the same cores for stock and plugin
         return cls(args, SideBySide.start(model, **common), model, bandwidth)
@@ -324,8 +329,9 @@ class SpeedRun:
         report = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores",
-            "memory_bandwidth": self.bandwidth, "weight_bytes": weight_bytes(self.model),
-            "model": "SmolLM2-135M-Instruct (float32)", "reps": args.reps, "decode_tokens": args.decode_tokens,
+            "memory_bandwidth": self.bandwidth, "weight_bytes": weight_bytes(self.model, DTYPE_BYTES[args.dtype]),
+            "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype, "reps": args.reps,
+            "decode_tokens": args.decode_tokens,
             "lengths": args.lengths, "scaling_lengths": self.all_lengths,
             "median": {c: self.medians(c, args.lengths) for c in CONFIGS},
             "ratio_to_stock": {c: {n: {k: median(samples[c][n][k]) / median(samples["stock"][n][k])

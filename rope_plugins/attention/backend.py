@@ -43,7 +43,7 @@ class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan | KernelPlan])
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.vllm_config = vllm_config
-        self.planner = StepPlanner(block_size=kv_cache_spec.block_size, dtype=vllm_config.model_config.dtype)
+        self.planner = StepPlanner(block_size=kv_cache_spec.block_size)
         self.triton = runs_triton(vllm_config, device)
 
     def tables(self, common: CommonAttentionMetadata) -> RowTables:

@@ -35,14 +35,16 @@ MIN_SPLIT_KEYS = 256
 
 @dataclass(frozen=True)
 class Rotation:
-    """cos and sin of float64 angles, cast for the model (angles stay exact to 1e-12)."""
+    """cos and sin of float64 angles, cast to float32 at the cosine (angles stay exact to 1e-12).
+    float32 whatever the model's dtype: the C++ kernels read float32 tables, and in bfloat16 a
+    cosine would keep 3 significant digits."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
     @classmethod
-    def of(cls, angle: torch.Tensor, dtype: torch.dtype) -> "Rotation":
-        return cls(cos=angle.cos().to(dtype), sin=angle.sin().to(dtype))
+    def of(cls, angle: torch.Tensor) -> "Rotation":
+        return cls(cos=angle.cos().float(), sin=angle.sin().float())
 
     def __getitem__(self, index) -> "Rotation":
         return Rotation(cos=self.cos[index], sin=self.sin[index])
@@ -52,7 +54,7 @@ class Rotation:
 class QueryPlan:
     """Every query token of the step: ``[T]`` scale, ``[T, 1, d/2]`` rotations."""
 
-    scale: torch.Tensor  # log-n x the method's factor, model dtype
+    scale: torch.Tensor  # log-n x the method's factor, float32
     near: Rotation  # m θ
     far: Rotation  # (w + (m - w) ρ) θ; grouped: (⌊m/g⌋ + w - ⌊w/g⌋) θ
 
@@ -318,8 +320,8 @@ def log_n_factor(positions: torch.Tensor, log_n_length: torch.Tensor) -> torch.T
 class StepPlanner:
     """Makes :class:`StepPlan` s; keeps far-key tables between steps (keys keep their angle)."""
 
-    def __init__(self, *, block_size: int, dtype: torch.dtype) -> None:
-        self.block_size, self.dtype = block_size, dtype
+    def __init__(self, *, block_size: int) -> None:
+        self.block_size = block_size
         self.far_tables: dict[tuple, Rotation] = {}
 
     def plan(self, tables: RowTables, starts: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -345,9 +347,9 @@ class StepPlanner:
         far_position = far_query_positions(positions, rows.window[token_row], rows.leak[token_row],
                                            rows.group[token_row])
         scale = log_n_factor(positions, rows.log_n_length[token_row]) * rows.query_factor[token_row]
-        return QueryPlan(scale=scale.to(self.dtype),
-                         near=Rotation.of((positions[:, None].double() * theta)[:, None], self.dtype),
-                         far=Rotation.of((far_position[:, None] * theta)[:, None], self.dtype))
+        return QueryPlan(scale=scale.float(),
+                         near=Rotation.of((positions[:, None].double() * theta)[:, None]),
+                         far=Rotation.of((far_position[:, None] * theta)[:, None]))
 
     def far_key_table(self, theta: torch.Tensor, leak: float, group: int, length: int) -> Rotation:
         """The far angles of key positions ``n < length`` (:func:`far_key_positions` x θ),
@@ -357,7 +359,7 @@ class StepPlanner:
         if table is None or table.cos.shape[0] < length:
             capacity = max(1024, 1 << (length - 1).bit_length())
             positions = far_key_positions(torch.arange(capacity), leak, group)
-            table = Rotation.of(positions[:, None] * theta, self.dtype)
+            table = Rotation.of(positions[:, None] * theta)
         self.far_tables[key] = table
         while len(self.far_tables) > FAR_TABLES_KEPT:
             self.far_tables.pop(next(iter(self.far_tables)))
@@ -402,7 +404,7 @@ class StepPlanner:
         position = position.clamp(max=keys - 1)
         return DecodeBand(block=position // self.block_size, offset=position % self.block_size,
                           target=torch.where(near, position, keys),
-                          keys=Rotation.of((position.double()[..., None] * theta[:, None, :])[:, :, None], self.dtype))
+                          keys=Rotation.of((position.double()[..., None] * theta[:, None, :])[:, :, None]))
 
     def prefill_row(self, rows: KernelPlan, row: int) -> PrefillRow:
         first, end, seq_len = int(rows.query_start[row]), int(rows.query_start[row + 1]), int(rows.seq_lens[row])
@@ -412,7 +414,7 @@ class StepPlanner:
         if window:
             band_start = max(0, context - window + 1)
             positions = torch.arange(band_start, seq_len, dtype=torch.float64)
-            band_keys = Rotation.of((positions[:, None] * theta)[:, None], self.dtype)
+            band_keys = Rotation.of((positions[:, None] * theta)[:, None])
         far_keys = self.far_key_table(theta, leak, int(rows.group[row]), seq_len)[:, None] if leak != 0 else None
         return PrefillRow(tokens=slice(first, end), context=context,
                           seq_len=seq_len, row=row, window=window, far_keys=far_keys, band_start=band_start,

@@ -1,11 +1,12 @@
 """The attention's CPU ops on the pre-rotation paged cache.
 
-Prefill rows of a float32 model take the C++ one-pass kernel (:func:`prefill_kernel`: keys
-rotated once per chunk and laid out in tiles, then near, far and straddling tiles in one
-walk). Decode rows are batched together in one call of the C++ decode when the cache is
-float32 (:mod:`rope_plugins.ops.native`).
+Prefill rows take the C++ one-pass kernel (:func:`prefill_kernel`: keys rotated once per chunk
+and laid out in tiles, then near, far and straddling tiles in one walk). Decode rows are batched
+together in one call of the C++ decode (:mod:`rope_plugins.ops.native`). Both read a float32,
+bfloat16 or float16 cache and compute in float32 (16-bit keys and values are widened exactly as
+they are read; the output is rounded once, to the model's dtype).
 
-Without a C++ compiler, or for other dtypes, plain PyTorch computes the same rule:
+Without a C++ compiler plain PyTorch computes the same rule in float32:
 :func:`prefill_plain` and :func:`decode_plain` score every key a query sees at its near and
 far angle and pick by distance. The float64 oracle holds both paths in the tests.
 """
@@ -61,9 +62,12 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
     return cached[..., :head_dim], cached[..., head_dim:]
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the caches the C++ kernels read
+
+
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
-    """The C++ prefill serves float32 with head sizes in whole key tiles, where it is built."""
-    return (query.dtype == torch.float32 and query.shape[-1] % KEY_TILE == 0
+    """The C++ prefill serves head sizes in whole key tiles, where it is built."""
+    return (query.dtype in KERNEL_DTYPES and query.shape[-1] % KEY_TILE == 0
             and built_kernels() is not None)
 
 
@@ -91,8 +95,9 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
                                    near_sin=flat(near.sin), far_cos=flat(far.cos), far_sin=flat(far.sin),
                                    context=row.context, window=row.window, near_origin=near_origin)
     return native.prefill_attention(
-        inputs, query=query, near_keys=near_keys, far_keys=far_keys,
-        values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len), scale=scale)
+        inputs, query=query.float(), near_keys=near_keys, far_keys=far_keys,
+        values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),
+        scale=scale).to(query.dtype)
 
 
 def prefill(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -143,19 +148,19 @@ def gqa_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *, scale: float,
            use_kernel: bool = True) -> torch.Tensor:
     """All decode rows at once from their unrotated queries ``[Rd, heads, d]``: the C++ kernel
-    for a float32 cache (it reads the paged cache in place and rotates as it goes), else
-    :func:`decode_plain`."""
-    if not (use_kernel and kv_cache.dtype == torch.float32 and built_kernels() is not None):
+    (it reads the paged cache in place and rotates as it goes), else :func:`decode_plain`."""
+    if not (use_kernel and kv_cache.dtype in KERNEL_DTYPES and built_kernels() is not None):
         return decode_plain(query, kv_cache, plan, queries, scale=scale)
-    return native.decode_attention(plan.kernel_inputs, query=query, kv_cache=kv_cache, scale=scale)
+    return native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache,
+                                   scale=scale).to(query.dtype)
 
 
 def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,
                  scale: float) -> torch.Tensor:
-    """All decode rows at once, block by block of the paged cache: ``[Rd, heads, d]``."""
+    """All decode rows at once, block by block of the paged cache, in float32: ``[Rd, heads, d]``."""
     rows, heads, d = query.shape
-    near_query, far_query = rotated_queries(query, queries, plan.tokens)
-    blocks = kv_cache[plan.block_ids]  # [Rd, nb, kv, bs, 2d]: the one copy of the cache
+    near_query, far_query = rotated_queries(query.float(), queries, plan.tokens)
+    blocks = kv_cache[plan.block_ids].float()  # [Rd, nb, kv, bs, 2d]: the one copy of the cache
     _, num_blocks, kv, block_size, _ = blocks.shape
     queries_per_kv = heads // kv
     keys, values = blocks[..., :d], blocks[..., d:]
@@ -180,6 +185,7 @@ def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, 
         scores.scatter_(-1, band.target[:, None, None, :].expand_as(band_scores), band_scores)
         scores = scores[..., :-1]
     scores = (scores * scale).masked_fill(~plan.keep[:, None, None, :], float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    weights = torch.softmax(scores, dim=-1)
     weights = weights.view(rows, kv, queries_per_kv, num_blocks, block_size).permute(0, 3, 1, 2, 4)
-    return torch.matmul(weights, values).sum(dim=1).reshape(rows, heads, d)  # [Rd, kv, g, d] summed over blocks
+    output = torch.matmul(weights, values).sum(dim=1)  # [Rd, kv, g, d] summed over blocks
+    return output.reshape(rows, heads, d).to(query.dtype)

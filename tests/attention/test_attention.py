@@ -74,7 +74,7 @@ def rows_step(seed=0):
 def make_step(seed=0):
     """The CPU path's plan of :func:`rows_step`, and its inputs."""
     step = rows_step(seed)
-    planner = StepPlanner(block_size=BLOCK, dtype=torch.float32)
+    planner = StepPlanner(block_size=BLOCK)
     meta = planner.plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
     return step.cache, meta, step.sequences, step.query, step.key, step.value, step.starts
 
@@ -87,6 +87,29 @@ def test_step_matches_oracle(use_kernel):
     output = torch.empty_like(query)
     impl.forward(None, query, key, value, cache, meta, output)
     torch.testing.assert_close(output, rows_step(seed=0).expected().float(), rtol=0, atol=2e-5)
+
+
+# A 16-bit step holds exact 16-bit numbers, which both paths widen exactly and compute on in
+# float32, as in the float32 test (2e-5); the one new error is the output's rounding to the
+# model's dtype: half a unit in its last place, at most 2^-p of the value with p significant
+# bits (bfloat16 8, float16 11). A key, value or query taken in 16 bits inside the kernel (or
+# a second rounding) adds as much again.
+ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=needs_compiler), False], ids=["cpp-kernel", "plain"])
+def test_16_bit_step_matches_oracle_to_one_rounding(use_kernel, dtype):
+    step = paged_step(ROWS, seed=1, head=D, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK, dtype=dtype)
+    meta = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
+    impl = RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "auto")
+    impl.use_kernel = use_kernel
+    output = torch.empty_like(step.query)
+    impl.forward(None, step.query, step.key, step.value, step.cache, meta, output)
+    assert output.dtype == dtype
+    expected = step.expected()
+    torch.testing.assert_close(output.double(), expected, rtol=ROUNDING[dtype], atol=2e-5)
+    assert (output.double() - expected).abs().max() > 0  # the output is in 16 bits: rounded, not float32 passed through
 
 
 @needs_compiler

@@ -50,6 +50,19 @@ struct PrefillInputs {
   int64_t near_origin = 0;  // near key tiles start here (a multiple of kKeyTile at or before the first near key)
 };
 
+// `body(Element{})` for the cache's element type: float, c10::BFloat16 or c10::Half (the kernels
+// widen 16-bit keys and values to float32 as they read them).
+template <typename Body>
+auto with_cache_type(const torch::Tensor& kv_cache, const char* name, Body body) {
+  TORCH_CHECK(kv_cache.stride(3) == 1, name, ": the cache's last dim must be contiguous");
+  switch (kv_cache.scalar_type()) {
+    case torch::kFloat32: return body(float{});
+    case torch::kBFloat16: return body(c10::BFloat16{});
+    case torch::kFloat16: return body(c10::Half{});
+    default: TORCH_CHECK(false, name, ": a float32, bfloat16 or float16 cache, not ", kv_cache.scalar_type());
+  }
+}
+
 }  // namespace rope_kernels
 
 // query [R, H, d] unrotated, unscaled; kv_cache [blocks, kv, bs, 2d] (last dim contiguous). Returns [R, H, d].

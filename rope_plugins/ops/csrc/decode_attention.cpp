@@ -1,4 +1,5 @@
-// Single-pass decode attention over the pre-rotation paged KV cache (float32).
+// Single-pass decode attention over the pre-rotation paged KV cache (a float32, bfloat16 or
+// float16 cache; float32 queries and arithmetic: 16-bit keys and values are widened as they are read).
 //
 // One query per row at position m = seq_len - 1. A key at position n scores
 //   dist = m - n < window[r] : q_near . R(n theta) k_n      (the near band, rotated on the fly)
@@ -34,7 +35,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // softmax at ((r * kv_heads + h) * chunks + c) * queries_per_kv.
 struct DecodeView {
   const float *query, *query_scale, *query_cos, *query_sin;
-  const float* cache;
+  const void* cache;
   int64_t cache_s0, cache_s1, cache_s2, block_size;
   const int64_t *block_table, *seq_lens, *window, *band_start, *far_table;
   int64_t table_stride;
@@ -47,11 +48,17 @@ struct DecodeView {
 
 // A work item's buffers, one set per thread.
 struct DecodeScratch {
-  std::vector<float> rotated, scores, near_q, far_q, far_q_step;
-  std::vector<const float*> row_of;  // each key's cache row (its value follows at + d)
+  std::vector<float> rotated, widened, scores, near_q, far_q, far_q_step;
+  std::vector<const void*> row_of;  // each key's cache row (its value follows d elements on)
   DecodeScratch(int64_t d, int64_t queries_per_kv)
-      : rotated(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
+      : rotated(d), widened(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
         far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), row_of(kDecodeChunk) {}
+
+  // key j's row (value: at + d) as float32: in place in a float32 cache, else widened into `widened`
+  template <typename Element>
+  const float* key(int64_t j, int64_t d, int64_t at = 0) {
+    return rope_kernels::as_floats(static_cast<const Element*>(row_of[j]) + at, widened.data(), d);
+  }
 };
 
 // One work item: its row, kv head and keys first .. last - 1.
@@ -68,9 +75,8 @@ int64_t longest_row(const DecodeInputs& rows) {
   return longest;
 }
 
-void check_inputs(const DecodeInputs& rows, const torch::Tensor& kv_cache) {
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32, "decode_attention: float32 only");
-  TORCH_CHECK(kv_cache.stride(3) == 1, "decode_attention: the cache's last dim must be contiguous");
+void check_inputs(const DecodeInputs& rows, const torch::Tensor& query, const torch::Tensor& kv_cache) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "decode_attention: float32 queries");
   for (const auto* tensor : {&rows.query_scale, &rows.query_cos, &rows.query_sin, &rows.block_table, &rows.seq_lens,
                              &rows.window, &rows.band_start, &rows.near_cos, &rows.near_sin, &rows.far_step_cos,
                              &rows.far_step_sin, &rows.far_offset_cos, &rows.far_offset_sin, &rows.far_table})
@@ -86,7 +92,7 @@ DecodeView decode_view(const DecodeInputs& rows, const torch::Tensor& query, con
   view.query_scale = rows.query_scale.data_ptr<float>();
   view.query_cos = rows.query_cos.data_ptr<float>();
   view.query_sin = rows.query_sin.data_ptr<float>();
-  view.cache = kv_cache.data_ptr<float>();
+  view.cache = kv_cache.data_ptr();
   view.cache_s0 = kv_cache.stride(0), view.cache_s1 = kv_cache.stride(1), view.cache_s2 = kv_cache.stride(2);
   view.block_size = kv_cache.size(2);
   view.block_table = rows.block_table.data_ptr<int64_t>();
@@ -133,42 +139,44 @@ void turn_queries(const DecodeView& view, const DecodeItem& item, DecodeScratch&
 }
 
 // the rows of the item's keys, block by block (one division per block, not per key)
+template <typename Element>
 void find_rows(const DecodeView& view, const DecodeItem& item, DecodeScratch& scratch) {
   for (int64_t n = item.first; n < item.last;) {
     const int64_t block = n / view.block_size, slot = n % view.block_size;
     const int64_t run = std::min(view.block_size - slot, item.last - n);
-    const float* row = view.cache + view.block_table[item.r * view.table_stride + block] * view.cache_s0 +
-                       item.h * view.cache_s1 + slot * view.cache_s2;
+    const Element* row = static_cast<const Element*>(view.cache) +
+                         view.block_table[item.r * view.table_stride + block] * view.cache_s0 +
+                         item.h * view.cache_s1 + slot * view.cache_s2;
     for (int64_t i = 0; i < run; ++i, ++n, row += view.cache_s2) scratch.row_of[n - item.first] = row;
   }
 }
 
 // keys and values interleave (other heads' rows too, by layout): on that stride the hardware
 // prefetcher alone leaves the loop waiting, so each row is asked for ahead
-template <int64_t d>
+template <typename Element, int64_t d>
 inline void prefetch(const DecodeScratch& scratch, int64_t j, int64_t keys) {
   if (j + kPrefetch < keys) {
-    const char* ahead = reinterpret_cast<const char*>(scratch.row_of[j + kPrefetch]);
-    for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(float)); byte += kCacheLine)
+    const char* ahead = static_cast<const char*>(scratch.row_of[j + kPrefetch]);
+    for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(Element)); byte += kCacheLine)
       __builtin_prefetch(ahead + byte, 0, 3);
   }
 }
 
 // keys j < near_from under ReRoPE's far rule: the far query against the raw keys
-template <int64_t d>
+template <typename Element, int64_t d>
 void score_raw(const DecodeView& view, int64_t near_from, int64_t keys, DecodeScratch& scratch) {
   const int64_t queries_per_kv = view.queries_per_kv;
   const float* far_q = scratch.far_q.data();
   float* scores = scratch.scores.data();
   for (int64_t j = 0; j < near_from; ++j) {
-    prefetch<d>(scratch, j, keys);
-    const float* key = scratch.row_of[j];
+    prefetch<Element, d>(scratch, j, keys);
+    const float* key = scratch.key<Element>(j, d);
     for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(far_q + g * d, key, d);
   }
 }
 
 // keys j < near_from at their far angle: the query turned back once per step, each key by its offset
-template <int64_t d>
+template <typename Element, int64_t d>
 void score_far(const DecodeView& view, const DecodeItem& item, int64_t near_from, int64_t keys,
                DecodeScratch& scratch) {
   constexpr int64_t half = d / 2;
@@ -178,7 +186,7 @@ void score_far(const DecodeView& view, const DecodeItem& item, int64_t near_from
   const int64_t queries_per_kv = view.queries_per_kv;
   float *far_q_step = scratch.far_q_step.data(), *rotated = scratch.rotated.data(), *scores = scratch.scores.data();
   for (int64_t j = 0; j < near_from; ++j) {
-    prefetch<d>(scratch, j, keys);
+    prefetch<Element, d>(scratch, j, keys);
     const int64_t n = item.first + j, offset = n % step;
     if (offset == 0 || j == 0) {  // a new step: turn the far query back by its angle
       const int64_t at = (rule * view.far_steps + n / step) * half;
@@ -186,13 +194,13 @@ void score_far(const DecodeView& view, const DecodeItem& item, int64_t near_from
         rotate(scratch.far_q.data() + g * d, view.far_step_cos + at, view.far_step_sin + at, far_q_step + g * d,
                half, 1.f, -1.f);
     }
-    rotate(scratch.row_of[j], offset_cos + offset * half, offset_sin + offset * half, rotated, half);
+    rotate(scratch.key<Element>(j, d), offset_cos + offset * half, offset_sin + offset * half, rotated, half);
     for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(far_q_step + g * d, rotated, d);
   }
 }
 
 // keys near_from .. keys - 1, inside the window: the near query against the keys at n theta
-template <int64_t d>
+template <typename Element, int64_t d>
 void score_near(const DecodeView& view, const DecodeItem& item, int64_t near_from, int64_t keys,
                 DecodeScratch& scratch) {
   constexpr int64_t half = d / 2;
@@ -201,15 +209,15 @@ void score_near(const DecodeView& view, const DecodeItem& item, int64_t near_fro
   const float* near_q = scratch.near_q.data();
   float *rotated = scratch.rotated.data(), *scores = scratch.scores.data();
   for (int64_t j = near_from; j < keys; ++j) {
-    prefetch<d>(scratch, j, keys);
+    prefetch<Element, d>(scratch, j, keys);
     const int64_t at = (first_column + j) * half;
-    rotate(scratch.row_of[j], view.near_cos + at, view.near_sin + at, rotated, half);
+    rotate(scratch.key<Element>(j, d), view.near_cos + at, view.near_sin + at, rotated, half);
     for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(near_q + g * d, rotated, d);
   }
 }
 
 // the item's softmax: its max and sum per query head, and P.V
-template <int64_t d>
+template <typename Element, int64_t d>
 void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& scratch) {
   const int64_t keys = item.last - item.first, partial = item.partial;
   for (int64_t g = 0; g < view.queries_per_kv; ++g) {
@@ -222,7 +230,7 @@ void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& s
   float* out = view.partial_out + partial * d;
   std::fill(out, out + queries_per_kv * d, 0.f);
   for (int64_t j = 0; j < keys; ++j) {
-    const float* __restrict value = scratch.row_of[j] + d;
+    const float* __restrict value = scratch.key<Element>(j, d, d);
     for (int64_t g = 0; g < queries_per_kv; ++g) {
       const float p = scores[g * kDecodeChunk + j];
       float* __restrict target = out + g * d;
@@ -232,7 +240,7 @@ void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& s
   }
 }
 
-template <int64_t d>
+template <typename Element, int64_t d>
 void attend_chunk(const DecodeView& view, int64_t index, DecodeScratch& scratch) {
   const DecodeItem item = work_item(view, index);
   if (item.first >= item.last) {  // past this row's end: contributes nothing to the merge
@@ -240,15 +248,15 @@ void attend_chunk(const DecodeView& view, int64_t index, DecodeScratch& scratch)
     return;
   }
   turn_queries<d>(view, item, scratch);
-  find_rows(view, item, scratch);
+  find_rows<Element>(view, item, scratch);
   const int64_t keys = item.last - item.first, m = view.seq_lens[item.r] - 1;
   const int64_t near_from = std::clamp(m - view.window[item.r] + 1 - item.first, int64_t(0), keys);  // m - n < w
   if (view.far_table[item.r] < 0)
-    score_raw<d>(view, near_from, keys, scratch);
+    score_raw<Element, d>(view, near_from, keys, scratch);
   else
-    score_far<d>(view, item, near_from, keys, scratch);
-  score_near<d>(view, item, near_from, keys, scratch);
-  sum_values<d>(view, item, scratch);
+    score_far<Element, d>(view, item, near_from, keys, scratch);
+  score_near<Element, d>(view, item, near_from, keys, scratch);
+  sum_values<Element, d>(view, item, scratch);
 }
 
 // softmax over all keys = sum_c exp(max_c - M) out_c / sum_c exp(max_c - M) sum_c, for row r's kv head h
@@ -277,10 +285,10 @@ void merge_chunks(const DecodeView& view, int64_t item) {
   }
 }
 
-template <int64_t d>
-torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor& query,
-                                   const torch::Tensor& kv_cache, double scale) {
-  check_inputs(rows, kv_cache);
+template <typename Element, int64_t d>
+torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tensor& query,
+                                     const torch::Tensor& kv_cache, double scale) {
+  check_inputs(rows, query, kv_cache);
   const auto contiguous_query = query.contiguous();
   const int64_t count = query.size(0), heads = query.size(1), kv_heads = kv_cache.size(1);
   const int64_t chunks = (longest_row(rows) + kDecodeChunk - 1) / kDecodeChunk, queries_per_kv = heads / kv_heads;
@@ -292,12 +300,20 @@ torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor
   const DecodeView view = decode_view(rows, contiguous_query, kv_cache, scale, chunks, partials, output);
   at::parallel_for(0, count * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     DecodeScratch scratch(d, queries_per_kv);
-    for (int64_t item = begin; item < end; ++item) attend_chunk<d>(view, item, scratch);
+    for (int64_t item = begin; item < end; ++item) attend_chunk<Element, d>(view, item, scratch);
   });
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) merge_chunks<d>(view, item);
   });
   return output;
+}
+
+template <int64_t d>
+torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor& query,
+                                   const torch::Tensor& kv_cache, double scale) {
+  return rope_kernels::with_cache_type(kv_cache, "decode_attention", [&](auto element) {
+    return decode_attention_typed<decltype(element), d>(rows, query, kv_cache, scale);
+  });
 }
 
 }  // namespace
