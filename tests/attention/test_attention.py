@@ -148,6 +148,24 @@ def test_kernel_equals_plain_decode():
     torch.testing.assert_close(fast, reference, rtol=0, atol=1e-5)
 
 
+# Head shapes of real models for the C++ decode, each a different path of csrc/decode_vector.h:
+# (head size, query heads per kv head): 64 with 7 (Qwen2.5 0.5B: P.V in groups of 4 and 3), 128
+# with 4 (Llama 3: groups of 2), 256 with 2 (Gemma 3), 80 with 2 (the portable loops: halves of
+# 40 floats are no whole vectors).
+HEAD_SHAPES = [(64, 7), (128, 4), (256, 2), (80, 2)]
+DECODE_ROWS = [row for row in ROWS if row[2] == 1]
+
+
+@needs_compiler
+@pytest.mark.parametrize("head,queries_per_kv", HEAD_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_kernel_decode_of_real_head_shapes_matches_oracle(head, queries_per_kv, dtype):
+    step = paged_step(DECODE_ROWS, seed=4, head=head, kv=KV, queries_per_kv=queries_per_kv, block=BLOCK, dtype=dtype)
+    plan = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
+    output = cpu.decode(step.query, step.cache, plan.decode, plan.query, scale=head**-0.5)
+    torch.testing.assert_close(output.double(), step.expected(), rtol=ROUNDING.get(dtype, 0), atol=2e-5)
+
+
 def test_merge_of_parts_equals_one_softmax_and_survives_a_query_with_no_keys():
     generator = torch.Generator().manual_seed(5)
     scores, values = torch.randn(3, 10, generator=generator), torch.randn(10, 4, generator=generator)

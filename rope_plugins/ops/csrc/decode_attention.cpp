@@ -15,9 +15,11 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "attention_inputs.h"
+#include "decode_vector.h"
 #include "vector_math.h"
 
 namespace {
@@ -26,6 +28,9 @@ using rope_kernels::DecodeInputs;
 using rope_kernels::dot;
 using rope_kernels::kDecodeChunk;
 using rope_kernels::rotate;
+#if defined(__AVX512F__)
+namespace avx512 = rope_kernels::avx512;
+#endif
 
 constexpr int64_t kPrefetch = 16;  // keys ahead whose key and value rows are fetched while scoring
 constexpr int64_t kCacheLine = 64;
@@ -48,11 +53,12 @@ struct DecodeView {
 
 // A work item's buffers, one set per thread.
 struct DecodeScratch {
-  std::vector<float> rotated, widened, scores, near_q, far_q, far_q_step;
+  std::vector<float> rotated, widened, scores, near_q, far_q, far_q_step, partials;
   std::vector<const void*> row_of;  // each key's cache row (its value follows d elements on)
   DecodeScratch(int64_t d, int64_t queries_per_kv)
       : rotated(d), widened(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
-        far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), row_of(kDecodeChunk) {}
+        far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), partials(queries_per_kv * 16 * 16),
+        row_of(kDecodeChunk) {}
 
   // key j's row (value: at + d) as float32: in place in a float32 cache, else widened into `widened`
   template <typename Element>
@@ -162,17 +168,44 @@ inline void prefetch(const DecodeScratch& scratch, int64_t j, int64_t keys) {
   }
 }
 
+// scores[g][j] = queries[g] . (key j turned by angle(j)) for keys from <= j < to; angle(j) is a
+// {cos, sin} pair of [d/2] tables ({null, null}: the raw key). In registers, 16 keys at a time,
+// where decode_vector.h serves d; else one key at a time through a widened, turned row.
+template <typename Element, int64_t d, typename Angle>
+void score_run(DecodeScratch& scratch, int64_t from, int64_t to, int64_t keys, const float* queries,
+               int64_t queries_per_kv, Angle angle) {
+  float* scores = scratch.scores.data();
+#if defined(__AVX512F__)
+  if constexpr (avx512::kServes<d>) {
+    for (int64_t j = from; j < to; j += avx512::kLanes) {
+      const int64_t count = std::min(avx512::kLanes, to - j);
+      for (int64_t k = 0; k < count; ++k) prefetch<Element, d>(scratch, j + k, keys);
+      avx512::score_keys<d, Element>(scratch.row_of.data() + j, count, queries, queries_per_kv,
+                                     [&](int64_t k) { return angle(j + k); }, scratch.partials.data(), scores + j,
+                                     kDecodeChunk);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = from; j < to; ++j) {
+    prefetch<Element, d>(scratch, j, keys);
+    const auto [cos, sin] = angle(j);
+    const float* key = scratch.key<Element>(j, d);
+    if (cos != nullptr) {
+      rotate(key, cos, sin, scratch.rotated.data(), d / 2);
+      key = scratch.rotated.data();
+    }
+    for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(queries + g * d, key, d);
+  }
+}
+
+using Angle = std::pair<const float*, const float*>;
+
 // keys j < near_from under ReRoPE's far rule: the far query against the raw keys
 template <typename Element, int64_t d>
 void score_raw(const DecodeView& view, int64_t near_from, int64_t keys, DecodeScratch& scratch) {
-  const int64_t queries_per_kv = view.queries_per_kv;
-  const float* far_q = scratch.far_q.data();
-  float* scores = scratch.scores.data();
-  for (int64_t j = 0; j < near_from; ++j) {
-    prefetch<Element, d>(scratch, j, keys);
-    const float* key = scratch.key<Element>(j, d);
-    for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(far_q + g * d, key, d);
-  }
+  score_run<Element, d>(scratch, 0, near_from, keys, scratch.far_q.data(), view.queries_per_kv,
+                        [](int64_t) { return Angle{nullptr, nullptr}; });
 }
 
 // keys j < near_from at their far angle: the query turned back once per step, each key by its offset
@@ -183,19 +216,19 @@ void score_far(const DecodeView& view, const DecodeItem& item, int64_t near_from
   const int64_t rule = view.far_table[item.r], step = view.step;
   const float* offset_cos = view.far_offset_cos + rule * step * half;
   const float* offset_sin = view.far_offset_sin + rule * step * half;
-  const int64_t queries_per_kv = view.queries_per_kv;
-  float *far_q_step = scratch.far_q_step.data(), *rotated = scratch.rotated.data(), *scores = scratch.scores.data();
-  for (int64_t j = 0; j < near_from; ++j) {
-    prefetch<Element, d>(scratch, j, keys);
-    const int64_t n = item.first + j, offset = n % step;
-    if (offset == 0 || j == 0) {  // a new step: turn the far query back by its angle
-      const int64_t at = (rule * view.far_steps + n / step) * half;
-      for (int64_t g = 0; g < queries_per_kv; ++g)
-        rotate(scratch.far_q.data() + g * d, view.far_step_cos + at, view.far_step_sin + at, far_q_step + g * d,
-               half, 1.f, -1.f);
-    }
-    rotate(scratch.key<Element>(j, d), offset_cos + offset * half, offset_sin + offset * half, rotated, half);
-    for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(far_q_step + g * d, rotated, d);
+  float* far_q_step = scratch.far_q_step.data();
+  for (int64_t j = 0; j < near_from;) {
+    const int64_t n = item.first + j, end = std::min(near_from, j + step - n % step);
+    const int64_t at = (rule * view.far_steps + n / step) * half;  // a new step: turn the far query back by its angle
+    for (int64_t g = 0; g < view.queries_per_kv; ++g)
+      rotate(scratch.far_q.data() + g * d, view.far_step_cos + at, view.far_step_sin + at, far_q_step + g * d, half,
+             1.f, -1.f);
+    const int64_t offset_of_j = n % step - j;  // key j's offset in its step
+    score_run<Element, d>(scratch, j, end, keys, far_q_step, view.queries_per_kv, [&](int64_t key) {
+      const int64_t offset = key + offset_of_j;
+      return Angle{offset_cos + offset * half, offset_sin + offset * half};
+    });
+    j = end;
   }
 }
 
@@ -205,15 +238,10 @@ void score_near(const DecodeView& view, const DecodeItem& item, int64_t near_fro
                 DecodeScratch& scratch) {
   constexpr int64_t half = d / 2;
   const int64_t first_column = item.r * view.band_width + item.first - view.band_start[item.r];  // key j's at + j
-  const int64_t queries_per_kv = view.queries_per_kv;
-  const float* near_q = scratch.near_q.data();
-  float *rotated = scratch.rotated.data(), *scores = scratch.scores.data();
-  for (int64_t j = near_from; j < keys; ++j) {
-    prefetch<Element, d>(scratch, j, keys);
+  score_run<Element, d>(scratch, near_from, keys, keys, scratch.near_q.data(), view.queries_per_kv, [&](int64_t j) {
     const int64_t at = (first_column + j) * half;
-    rotate(scratch.key<Element>(j, d), view.near_cos + at, view.near_sin + at, rotated, half);
-    for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(near_q + g * d, rotated, d);
-  }
+    return Angle{view.near_cos + at, view.near_sin + at};
+  });
 }
 
 // the item's softmax: its max and sum per query head, and P.V
@@ -228,6 +256,12 @@ void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& s
   const int64_t queries_per_kv = view.queries_per_kv;
   const float* scores = scratch.scores.data();
   float* out = view.partial_out + partial * d;
+#if defined(__AVX512F__)
+  if constexpr (avx512::kServes<d>) {
+    avx512::sum_all_values<d, Element>(scratch.row_of.data(), keys, scores, kDecodeChunk, queries_per_kv, out);
+    return;
+  }
+#endif
   std::fill(out, out + queries_per_kv * d, 0.f);
   for (int64_t j = 0; j < keys; ++j) {
     const float* __restrict value = scratch.key<Element>(j, d, d);
