@@ -8,8 +8,9 @@
 
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the
 model's operators; prints the top operators by self CPU time and writes the table to
-bench/results/profile_<config>_<length>.txt (``--cached``: the prompt is in the prefix cache
-before the profiled request, so the profile is decode steps, in profile_<config>_<length>_decode.txt;
+bench/results/profile_<config>_<length>.txt (``--dtype bfloat16`` adds ``_bfloat16``; ``--cached``:
+the prompt is in the prefix cache before the profiled request, so the profile is decode steps, in
+profile_<config>_<length>_decode.txt;
 ``--batch 8``: that many requests at once, each with its own prompt, and ``--config mixed`` gives them
 bench/speed.py's mix of settings, in profile_<config>_<length>_batch8.txt).
 """
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--cached", action="store_true", help="profile decode: run the prompt once before")
     parser.add_argument("--batch", type=int, default=1, help="requests at once (speed.py's batch of 8)")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (float32, bfloat16)")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -44,7 +46,7 @@ def main() -> None:
 
     model = str(provision_default_model())
     max_len = 1 << (args.length + args.new_tokens + 64 - 1).bit_length()
-    common = dict(dtype="float32", kv_cache_memory_bytes=(2 << 30) * max(1, max_len // 32768), max_model_len=max_len,
+    common = dict(dtype=args.dtype, kv_cache_memory_bytes=(2 << 30) * max(1, max_len // 32768), max_model_len=max_len,
                   max_num_batched_tokens=max(max_len // 2, 8192), enable_prefix_caching=args.cached)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
@@ -70,6 +72,7 @@ def main() -> None:
     print(table)
     RESULTS.mkdir(exist_ok=True)
     suffix = ("_decode" if args.cached else "") + (f"_batch{args.batch}" if args.batch > 1 else "")
+    suffix += f"_{args.dtype}" if args.dtype != "float32" else ""
     (RESULTS / f"profile_{args.config}_{args.length}{suffix}.txt").write_text(table)
 
 

@@ -148,10 +148,10 @@ def test_kernel_equals_plain_decode():
     torch.testing.assert_close(fast, reference, rtol=0, atol=1e-5)
 
 
-# Head shapes of real models for the C++ decode, each a different path of csrc/decode_vector.h:
+# Head shapes of real models for the C++ decode, each a different grouping in csrc/decode_vector.h:
 # (head size, query heads per kv head): 64 with 7 (Qwen2.5 0.5B: P.V in groups of 4 and 3), 128
-# with 4 (Llama 3: groups of 2), 256 with 2 (Gemma 3), 80 with 2 (the portable loops: halves of
-# 40 floats are no whole vectors).
+# with 4 (Llama 3: groups of 2), 256 with 2 (Gemma 3: one at a time), 80 with 2 (groups of 3, a
+# head size no power of two).
 HEAD_SHAPES = [(64, 7), (128, 4), (256, 2), (80, 2)]
 DECODE_ROWS = [row for row in ROWS if row[2] == 1]
 

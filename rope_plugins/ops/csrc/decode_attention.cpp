@@ -53,12 +53,11 @@ struct DecodeView {
 
 // A work item's buffers, one set per thread.
 struct DecodeScratch {
-  std::vector<float> rotated, widened, scores, near_q, far_q, far_q_step, partials;
+  std::vector<float> rotated, widened, scores, near_q, far_q, far_q_step;
   std::vector<const void*> row_of;  // each key's cache row (its value follows d elements on)
   DecodeScratch(int64_t d, int64_t queries_per_kv)
       : rotated(d), widened(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
-        far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), partials(queries_per_kv * 16 * 16),
-        row_of(kDecodeChunk) {}
+        far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), row_of(kDecodeChunk) {}
 
   // key j's row (value: at + d) as float32: in place in a float32 cache, else widened into `widened`
   template <typename Element>
@@ -169,31 +168,22 @@ inline void prefetch(const DecodeScratch& scratch, int64_t j, int64_t keys) {
 }
 
 // scores[g][j] = queries[g] . (key j turned by angle(j)) for keys from <= j < to; angle(j) is a
-// {cos, sin} pair of [d/2] tables ({null, null}: the raw key). In registers, 16 keys at a time,
-// where decode_vector.h serves d; else one key at a time through a widened, turned row.
+// {cos, sin} pair of [d/2] tables ({null, null}: the raw key). One key at a time: a turned key is
+// widened as it is turned, a raw 16-bit one widened into scratch. (Scoring 16 keys in registers
+// and summing them by a transpose, as P.V does in decode_vector.h, measured slower.)
 template <typename Element, int64_t d, typename Angle>
 void score_run(DecodeScratch& scratch, int64_t from, int64_t to, int64_t keys, const float* queries,
                int64_t queries_per_kv, Angle angle) {
   float* scores = scratch.scores.data();
-#if defined(__AVX512F__)
-  if constexpr (avx512::kServes<d>) {
-    for (int64_t j = from; j < to; j += avx512::kLanes) {
-      const int64_t count = std::min(avx512::kLanes, to - j);
-      for (int64_t k = 0; k < count; ++k) prefetch<Element, d>(scratch, j + k, keys);
-      avx512::score_keys<d, Element>(scratch.row_of.data() + j, count, queries, queries_per_kv,
-                                     [&](int64_t k) { return angle(j + k); }, scratch.partials.data(), scores + j,
-                                     kDecodeChunk);
-    }
-    return;
-  }
-#endif
   for (int64_t j = from; j < to; ++j) {
     prefetch<Element, d>(scratch, j, keys);
     const auto [cos, sin] = angle(j);
-    const float* key = scratch.key<Element>(j, d);
+    const float* key;
     if (cos != nullptr) {
-      rotate(key, cos, sin, scratch.rotated.data(), d / 2);
+      rotate(static_cast<const Element*>(scratch.row_of[j]), cos, sin, scratch.rotated.data(), d / 2);
       key = scratch.rotated.data();
+    } else {
+      key = scratch.key<Element>(j, d);
     }
     for (int64_t g = 0; g < queries_per_kv; ++g) scores[g * kDecodeChunk + j] = dot(queries + g * d, key, d);
   }

@@ -12,32 +12,6 @@
 
 namespace rope_kernels {
 
-// out[0 .. count) = the cache elements as float32. bfloat16 is float32's upper half, so widening
-// is a shift (exact, and vectorised to two instructions per 16 elements); float16 goes through
-// c10's conversion (exact too).
-template <typename Element>
-inline void widen(const Element* __restrict row, float* __restrict out, int64_t count) {
-  if constexpr (std::is_same_v<Element, c10::BFloat16>) {
-    const uint16_t* __restrict bits = reinterpret_cast<const uint16_t*>(row);
-#pragma omp simd
-    for (int64_t i = 0; i < count; ++i) out[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(row[i]);
-  }
-}
-
-// A cache row as float32: a float32 row in place, a 16-bit one widened into `buffer`.
-template <typename Element>
-inline const float* as_floats(const Element* row, float* buffer, int64_t count) {
-  if constexpr (std::is_same_v<Element, float>) {
-    return row;
-  } else {
-    widen(row, buffer, count);
-    return buffer;
-  }
-}
-
 // exp(x) for x <= 0 (-inf included, giving 0), in a form compilers vectorise: x = n ln2 + r,
 // |r| <= ln2 / 2, exp(r) by Cephes' degree-5 polynomial (within 2 ulp), times 2^n from its bits.
 #pragma omp declare simd
@@ -85,12 +59,50 @@ inline float exponentiate(float* __restrict scores, int64_t count, float maximum
   return total;
 }
 
-// out = factor R(sign angle) x for the pairs (i, i + half), angle given by its cos and sin.
-inline void rotate(const float* __restrict x, const float* __restrict cos, const float* __restrict sin,
+// one cache element as float32 (exact), in a form `omp simd` loops vectorise
+template <typename Element>
+inline float to_float(Element x) {
+  if constexpr (std::is_same_v<Element, c10::BFloat16>) {
+    return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16);
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+// out[0 .. count) = the cache elements as float32. bfloat16 is float32's upper half, so widening
+// is a shift (exact, and vectorised to two instructions per 16 elements); float16 goes through
+// c10's conversion (exact too).
+template <typename Element>
+inline void widen(const Element* __restrict row, float* __restrict out, int64_t count) {
+  if constexpr (std::is_same_v<Element, c10::BFloat16>) {
+    const uint16_t* __restrict bits = reinterpret_cast<const uint16_t*>(row);
+#pragma omp simd
+    for (int64_t i = 0; i < count; ++i) out[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < count; ++i) out[i] = to_float(row[i]);
+  }
+}
+
+// A cache row as float32: a float32 row in place, a 16-bit one widened into `buffer`.
+template <typename Element>
+inline const float* as_floats(const Element* row, float* buffer, int64_t count) {
+  if constexpr (std::is_same_v<Element, float>) {
+    return row;
+  } else {
+    widen(row, buffer, count);
+    return buffer;
+  }
+}
+
+// out = factor R(sign angle) x for the pairs (i, i + half), angle given by its cos and sin; x
+// float32 or a 16-bit cache row, widened as it is read.
+template <typename Element>
+inline void rotate(const Element* __restrict x, const float* __restrict cos, const float* __restrict sin,
                    float* __restrict out, int64_t half, float factor = 1.f, float sign = 1.f) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float first = factor * x[i], second = factor * x[i + half], s = sign * sin[i];
+    const float first = factor * to_float(x[i]), second = factor * to_float(x[i + half]), s = sign * sin[i];
     out[i] = first * cos[i] - second * s;
     out[i + half] = second * cos[i] + first * s;
   }
