@@ -22,6 +22,7 @@ DOCUMENT = ROOT / "bench" / "README.md"
 # results file stem: (module, function) rendering it as markdown
 RENDERERS = {
     "speed": ("speed", "markdown"),
+    "speed_bfloat16": ("speed", "markdown"),
     "attention_kernels": ("attention_kernels", "markdown"),
     "transformers_baseline": ("transformers_baseline", "markdown"),
     "eval": ("evaluate", "markdown"),

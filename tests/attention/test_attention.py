@@ -4,6 +4,9 @@ the log-sum-exp merge (rope_plugins/attention/backend.py, planner.py, ops/, test
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,6 +167,22 @@ def test_kernel_decode_of_real_head_shapes_matches_oracle(head, queries_per_kv, 
     plan = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
     output = cpu.decode(step.query, step.cache, plan.decode, plan.query, scale=head**-0.5)
     torch.testing.assert_close(output.double(), step.expected(), rtol=ROUNDING.get(dtype, 0), atol=2e-5)
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_kernels_built_without_avx512_match_the_oracle():
+    """An image built for other CPUs (``ROPE_EXTEND_MARCH=x86-64-v3``: AVX2, no AVX-512) compiles
+    the kernels' portable loops instead of their AVX-512 ones (csrc/micro_gemm.h,
+    csrc/decode_vector.h): this file's kernel tests against the oracle pass on that build too,
+    in float32, bfloat16 and float16."""
+    env = {**os.environ, native.MARCH_ENV: "x86-64-v3"}
+    load = "from rope_plugins.ops import native; print(native.kernels().__file__)"
+    built = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0 and "x86_64_v3" in built.stdout, built.stderr[-2000:]
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                            "-k", "matches_oracle and not plain"], env=env, capture_output=True, text=True, timeout=900)
+    assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]
 
 
 def test_merge_of_parts_equals_one_softmax_and_survives_a_query_with_no_keys():
