@@ -445,9 +445,14 @@ def kilo(n: str | int) -> str:
     return f"{int(n) // 1024}k"
 
 
+def targets_of(report: dict) -> dict:
+    """The targets of the run's dtype (runs from before ``--dtype`` were float32)."""
+    return TARGETS[report.get("dtype", "float32")]
+
+
 def ratio_readings(report: dict) -> list[str]:
     """Each method's time against stock's at every main length (targets from 16k on), and the sweep's longest."""
-    ratios, lines, targets = report["ratio_to_stock"], [], TARGETS[report.get("dtype", "float32")]
+    ratios, lines, targets = report["ratio_to_stock"], [], targets_of(report)
     for n in map(str, report["lengths"]):
         for key, name in (("prefill", "Prefill"), ("tpot", "Decode (time per output token)")):
             each = ", ".join(f"{config} {ratio[n][key]:.2f}x" for config, ratio in ratios.items())
@@ -497,7 +502,7 @@ def memory_readings(report: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     """speed.json (or a run in another dtype) as bench/README.md shows it."""
-    batch_target = TARGETS[report.get("dtype", "float32")]["batch"]
+    batch_target = targets_of(report)["batch"]
     return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}; medians of {report['reps']}; "
             f"TPOT from {report['decode_tokens']} new tokens on the cached prompt):\n\n"
             + markdown_tables(report) + "\n\n"

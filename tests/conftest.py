@@ -51,11 +51,12 @@ def running_engine(model_dir, **engine):
     return shut_down_after(LLM(**kwargs))
 
 
-def stock_engine(model_dir):
-    """Stock vLLM on ``model_dir`` up to its training length, shut down on exit."""
+def stock_engine(model_dir, **engine):
+    """Stock vLLM on ``model_dir`` up to its training length (the test defaults, overridden by
+    ``engine``), shut down on exit."""
     from vllm import LLM
 
-    return shut_down_after(LLM(model=str(model_dir), max_model_len=TRAIN_LENGTH, **TINY_ENGINE))
+    return shut_down_after(LLM(model=str(model_dir), max_model_len=TRAIN_LENGTH, **{**TINY_ENGINE, **engine}))
 
 
 @pytest.fixture(scope="session")

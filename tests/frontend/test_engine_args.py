@@ -13,8 +13,7 @@ import torch
 
 from rope_plugins.frontend.engine_args import FEW_CORES
 from rope_plugins.rules.settings import parse_settings
-from tests.conftest import TINY_ENGINE, running_engine, shut_down_after, stock_engine
-from tests.support.tiny_models import TRAIN_LENGTH
+from tests.conftest import running_engine, stock_engine
 
 PROMPT_LENGTH = 600  # > 2 x max_position_embeddings (256), >> every window
 NEW_TOKENS = 6
@@ -327,14 +326,11 @@ def test_bfloat16_engine_is_as_close_to_the_oracle_as_stock_bfloat16(tiny_llama_
     one rounding of its output, must not add to that: on ``none`` inside training its error is
     within 1.5x stock bfloat16's and its greedy tokens are stock's; every method, mixed in one
     batch past training, stays within 2x stock's error (measured: none 0.6-0.7x, the methods at most 1.4x)."""
-    from vllm import LLM
-
     inside = [(prompt(800 + i, 200 + 17 * i), {"method": "none"}) for i in range(2)]
     past = [(prompt(900 + i), fields) for i, fields in enumerate(BF16_METHODS)]
     with running_engine(tiny_llama_dir, dtype="bfloat16", max_num_batched_tokens=4096, max_num_seqs=16) as llm:
         ours = run(llm, inside + past, engine_defaults)
-    with shut_down_after(LLM(model=str(tiny_llama_dir), max_model_len=TRAIN_LENGTH,
-                             **{**TINY_ENGINE, "dtype": "bfloat16"})) as stock:
+    with stock_engine(tiny_llama_dir, dtype="bfloat16") as stock:
         theirs = run(stock, inside, engine_defaults, prompt_logprobs=True)
     stock_error = max(oracle_error(r, ids, f, reference_model, engine_defaults) for r, (ids, f) in zip(theirs, inside))
     errors = [oracle_error(r, ids, f, reference_model, engine_defaults) for r, (ids, f) in zip(ours, inside + past)]

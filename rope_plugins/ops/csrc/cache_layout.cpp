@@ -44,18 +44,19 @@ torch::Tensor cache_key_tiles(const torch::Tensor& kv_cache, const torch::Tensor
     using Element = decltype(element);
     const Element* cache = static_cast<const Element*>(kv_cache.data_ptr());
     at::parallel_for(0, kv_heads * (last_tile - first_tile + 1), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> rotated(d), widened(d);
+      std::vector<float> rotated(d);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t h = item % kv_heads, tile = first_tile + item / kv_heads;
         const int64_t from = std::max(first, origin + tile * kTile);
         const int64_t to = std::min(first + count, origin + (tile + 1) * kTile);
         float* tile_p = out_p + (h * tiles + tile) * d * kTile;
         for (int64_t n = from; n < to; ++n) {
-          const float* key = rope_kernels::as_floats(cache_row(cache, kv_cache, blocks_p, n, h), widened.data(), d);
-          if (turn) {
-            rope_kernels::rotate(key, cos_p + (n - first) * half, sin_p + (n - first) * half, rotated.data(), half);
-            key = rotated.data();
-          }
+          const Element* row = cache_row(cache, kv_cache, blocks_p, n, h);
+          const float* key = rotated.data();  // a turned key is widened as it is turned
+          if (turn)
+            rope_kernels::rotate(row, cos_p + (n - first) * half, sin_p + (n - first) * half, rotated.data(), half);
+          else
+            key = rope_kernels::as_floats(row, rotated.data(), d);
           const int64_t column = (n - origin) % kTile;
           for (int64_t i = 0; i < d; ++i) tile_p[i * kTile + column] = key[i];
         }

@@ -169,8 +169,8 @@ inline void prefetch(const DecodeScratch& scratch, int64_t j, int64_t keys) {
 
 // scores[g][j] = queries[g] . (key j turned by angle(j)) for keys from <= j < to; angle(j) is a
 // {cos, sin} pair of [d/2] tables ({null, null}: the raw key). One key at a time: a turned key is
-// widened as it is turned, a raw 16-bit one widened into scratch. (Scoring 16 keys in registers
-// and summing them by a transpose, as P.V does in decode_vector.h, measured slower.)
+// widened as it is turned, a raw 16-bit one widened into scratch. (Scoring 16 keys in AVX-512
+// registers and summing them by one transpose measured slower.)
 template <typename Element, int64_t d, typename Angle>
 void score_run(DecodeScratch& scratch, int64_t from, int64_t to, int64_t keys, const float* queries,
                int64_t queries_per_kv, Angle angle) {
