@@ -10,6 +10,8 @@ serving on the slow path unnoticed.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -54,12 +56,47 @@ def kernels():
         return None
     from torch.utils.cpp_extension import load
 
+    name = f"rope_plugins_kernels_{MARCH.replace('-', '_')}"
+    directory = build_directory(name)
     try:
-        module = load(name=f"rope_plugins_kernels_{MARCH.replace('-', '_')}", sources=[str(s) for s in SOURCES],
-                      extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        with build_lock(directory):
+            module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                          build_directory=str(directory), verbose=False)
     except Exception as error:
         raise KernelBuildError(f"the C++ decode kernel failed to build with {compiler()}: {error}") from error
     return module
+
+
+def build_directory(name: str) -> Path:
+    """Where the kernels are built and cached: under PyTorch's extension root (``TORCH_EXTENSIONS_DIR``,
+    else ~/.cache/torch_extensions), one folder per Python, PyTorch and target."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    directory = Path(root) / f"{python}_torch{torch.__version__}" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """One builder at a time, by an OS lock the kernel drops when its process dies.
+
+    PyTorch's own lock is a file that a killed build (Ctrl-C, an install stopped by a timeout)
+    leaves behind, and every later load then waits for it forever. Under this lock no other
+    builder is running, so a ``lock`` file found here is such a leftover and is removed.
+    """
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        leftover = directory / "lock"
+        if leftover.exists():
+            logger.warning("rope_plugins: removing %s, left by a kernel build that was stopped", leftover)
+            leftover.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def packed(inputs, **fields):

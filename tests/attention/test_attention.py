@@ -185,6 +185,20 @@ def test_kernels_built_without_avx512_match_the_oracle():
     assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]
 
 
+@needs_compiler
+def test_kernels_load_past_a_lock_left_by_a_killed_build():
+    """A build stopped midway (Ctrl-C, an install's timeout) leaves PyTorch's ``lock`` file in the
+    build folder, and PyTorch alone would wait for it forever at every later start: the kernels
+    still load, and the leftover is gone."""
+    native.kernels()  # built (and cached) before the leftover appears
+    leftover = native.build_directory(f"rope_plugins_kernels_{native.MARCH.replace('-', '_')}") / "lock"
+    leftover.touch()
+    load = "from rope_plugins.ops import native; print(native.kernels().__file__)"
+    loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=600)
+    assert loaded.returncode == 0 and "rope_plugins_kernels" in loaded.stdout, loaded.stderr[-2000:]
+    assert not leftover.exists()
+
+
 def test_merge_of_parts_equals_one_softmax_and_survives_a_query_with_no_keys():
     generator = torch.Generator().manual_seed(5)
     scores, values = torch.randn(3, 10, generator=generator), torch.randn(10, 4, generator=generator)
