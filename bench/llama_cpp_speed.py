@@ -1,0 +1,331 @@
+"""The plugin against llama.cpp on the same CPU: the same SmolLM2-135M-Instruct, the same token
+ids, the same thread count, prefill and time per output token at long contexts.
+
+    .venv/bin/python -m pip install -e '.[llama-cpp]'   # llama-cpp-python, built from source (minutes)
+    .venv/bin/python bench/llama_cpp_speed.py                  # 16k and 32k, 256 new tokens
+    .venv/bin/python bench/llama_cpp_speed.py --lengths 2048 --new-tokens 16 --out /tmp/l.json   # a quick look
+
+The plugin serves the default checkpoint (bfloat16 weights, dequantized from the GGUF it
+ships in) with ``auto`` (server/auto.py: what a request past training runs), in bfloat16 and
+any other ``--plugin-dtypes``. llama.cpp runs through llama-cpp-python on the same checkpoint
+converted to GGUF by llama.cpp's own converter (F32 and BF16: both exact, the checkpoint being
+bfloat16), and on the Q4_1 GGUF the checkpoint comes from; with its defaults otherwise (f16 KV
+cache, 512-token batches), flash attention off and on, and YaRN from the trained 8k to the
+context (``--linear`` adds linear scaling: position interpolation). One run, the configurations
+interleaved (the order rotates every length), the report written after every measurement.
+
+Per run: the prefill of a fresh prompt (to its first token), then the time per output token of
+``--new-tokens`` greedy tokens after it, and the two together (end to end). llama.cpp times
+one ``generate`` of the prompt; the plugin's engine one request of one token on the fresh
+prompt, then requests of 1 and 1 + N tokens on the now-cached prompt (as bench/speed.py).
+Writes bench/results/llama_cpp_speed.json and llama_cpp_speed.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+LLAMA_CPP_VERSION = "0.3.36"  # pyproject.toml's [llama-cpp] pin; its sdist holds the converter
+WEIGHTS = ("F32", "BF16", "Q4_1")
+# the converter and the gguf package it imports, as they sit in llama-cpp-python's sdist
+CONVERTER_FILES = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
+                   "vendor/llama.cpp/gguf-py/")
+
+
+@dataclass(frozen=True)
+class LlamaCppConfig:
+    """One way of running llama.cpp: its weights' GGUF type, flash attention, RoPE scaling."""
+
+    weights: str
+    flash_attn: bool
+    scaling: str = "yarn"  # or "linear"
+
+    @property
+    def name(self) -> str:
+        scaling = "" if self.scaling == "yarn" else f", {self.scaling}"
+        return f"llama.cpp {self.weights}, FA {'on' if self.flash_attn else 'off'}{scaling}"
+
+
+def llama_cpp_configs(linear: bool) -> list[LlamaCppConfig]:
+    configs = [LlamaCppConfig(weights, flash) for weights in WEIGHTS for flash in (False, True)]
+    return configs + ([LlamaCppConfig("F32", False, "linear")] if linear else [])
+
+
+def converter(cache: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py, from llama-cpp-python's sdist on PyPI (kept in ``cache``)."""
+    tree = cache / f"llama.cpp-{LLAMA_CPP_VERSION}"
+    script = tree / "convert_hf_to_gguf.py"
+    if script.exists():
+        return script
+    with tempfile.TemporaryDirectory() as download:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        "--disable-pip-version-check", "-d", download, f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
+                       check=True)
+        sdist = next(Path(download).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as archive:
+            prefix = f"{archive.getnames()[0].split('/')[0]}/"
+            members = [m for m in archive.getmembers()
+                       if any(m.name.removeprefix(prefix).startswith(f) for f in CONVERTER_FILES) and m.isfile()]
+            for member in members:
+                member.name = member.name.removeprefix(prefix + "vendor/llama.cpp/")
+            archive.extractall(tree, members=members, filter="data")
+    return script
+
+
+def gguf_files(model: Path, cache: Path) -> dict[str, Path]:
+    """The checkpoint as F32 and BF16 GGUFs (converted once, kept in ``cache``) and the pinned Q4_1 GGUF."""
+    from rope_plugins.server.provision import provision_gguf
+
+    files = {"Q4_1": provision_gguf()}
+    for weights in ("F32", "BF16"):
+        out = cache / "gguf" / f"{model.name}.{weights}.gguf"
+        if not out.exists():
+            partial = out.with_suffix(".partial")
+            subprocess.run([sys.executable, str(converter(cache)), str(model), "--outtype", weights.lower(),
+                            "--outfile", str(partial)], check=True)
+            partial.rename(out)
+        files[weights] = out
+    return files
+
+
+def time_generation(tokens, new_tokens: int) -> dict[str, float]:
+    """Prefill (to the first token), time per output token after it and end to end, of a token iterator."""
+    began = time.perf_counter()
+    next(tokens)
+    first = time.perf_counter()
+    for _ in range(new_tokens):
+        next(tokens)
+    end = time.perf_counter()
+    return {"prefill": first - began, "tpot": (end - first) / new_tokens, "end_to_end": end - began}
+
+
+def run_llama_cpp(config: LlamaCppConfig, gguf: Path, ids: list[int], new_tokens: int, train_length: int,
+                  threads: int) -> dict[str, float]:
+    """One generate of ``ids`` on a fresh llama.cpp context just long enough, scaled from ``train_length``."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as constants
+
+    n_ctx = len(ids) + new_tokens + 16
+    scaling = {"yarn": constants.LLAMA_ROPE_SCALING_TYPE_YARN, "linear": constants.LLAMA_ROPE_SCALING_TYPE_LINEAR}
+    if n_ctx <= train_length:  # inside training: plain RoPE
+        scaling = dict.fromkeys(scaling, constants.LLAMA_ROPE_SCALING_TYPE_NONE)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                          flash_attn=config.flash_attn, rope_scaling_type=scaling[config.scaling],
+                          rope_freq_scale=min(1.0, train_length / n_ctx), yarn_orig_ctx=train_length, verbose=False)
+    try:
+        return time_generation(llm.generate(ids, temp=0.0, top_k=1), new_tokens)
+    finally:
+        llm.close()
+
+
+class PluginEngine:
+    """The plugin's engine in one dtype, every request under ``auto``'s settings for its length."""
+
+    def __init__(self, model: str, dtype: str, max_model_len: int):
+        from vllm import LLM
+
+        from rope_plugins.frontend.engine_args import engine_kwargs
+        from rope_plugins.rules.settings import engine_defaults
+
+        self.dtype = dtype
+        self.llm = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, dtype=dtype, max_model_len=max_model_len,
+                                       kv_cache_memory_bytes=3 << 30, max_num_batched_tokens=max_model_len, seed=0))
+        self.defaults = engine_defaults(self.llm.llm_engine.vllm_config.model_config.hf_config)
+        self.train_length = self.defaults.train_length
+
+    @property
+    def name(self) -> str:
+        return f"plugin auto, {self.dtype}"
+
+    def settings(self, positions: int) -> dict:
+        from rope_plugins.server.auto import auto_settings
+
+        return auto_settings(positions, self.train_length)
+
+    def seconds(self, ids: list[int], max_tokens: int) -> float:
+        from vllm import SamplingParams
+
+        from rope_plugins.frontend.engine_args import extension_request
+        from rope_plugins.rules.settings import parse_settings
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        settings = parse_settings(self.settings(len(ids) + max_tokens), self.defaults)
+        prompt, params = extension_request({"prompt_token_ids": ids}, params, settings)
+        began = time.perf_counter()
+        self.llm.generate([prompt], params, use_tqdm=False)
+        return time.perf_counter() - began
+
+    def run(self, ids: list[int], new_tokens: int) -> dict[str, float]:
+        """Prefill of the fresh prompt, then 1 and 1 + N tokens on it cached (N tokens' decode)."""
+        prefill = self.seconds(ids, 1)
+        one, many = self.seconds(ids, 1), self.seconds(ids, 1 + new_tokens)
+        return {"prefill": prefill, "tpot": (many - one) / new_tokens, "end_to_end": prefill + many - one}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--plugin-dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    parser.add_argument("--linear", action="store_true", help="also llama.cpp F32 with linear scaling (FA off)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads (vLLM: every core)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "llama_cpp_speed.json")
+    parser.add_argument("--markdown", action="store_true", help="print --out as bench/README.md shows it and stop")
+    return parser.parse_args()
+
+
+class Comparison:
+    """The run: its engines, GGUFs and prompts, and what has been measured so far."""
+
+    def __init__(self, args: argparse.Namespace):
+        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")  # a 32k prompt is one long step
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as error:
+            raise SystemExit("llama-cpp-python is not installed: .venv/bin/python -m pip install -e '.[llama-cpp]'") \
+                from error
+        from bench.speed import cpu_model
+        from rope_plugins.frontend.engine_args import compute_on_every_core
+        from rope_plugins.server.provision import cache_root, provision_default_model
+
+        self.args, model = args, provision_default_model()
+        self.gguf = gguf_files(model, cache_root())
+        compute_on_every_core()
+        longest = max(args.lengths) + args.new_tokens + 64
+        self.engines = [PluginEngine(str(model), dtype, longest) for dtype in args.plugin_dtypes]
+        self.llama_cpp = llama_cpp_configs(args.linear)
+        self.report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "machine": f"{cpu_model()}, {os.cpu_count()} cores", "threads": args.threads,
+                       "model": model.name, "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
+                       "train_length": self.engines[0].train_length, "new_tokens": args.new_tokens,
+                       "lengths": args.lengths, "llama_cpp_defaults": "f16 KV cache, n_batch 512, greedy",
+                       "configs": {}, "plugin_settings": {}, "runs": {}}
+
+    def jobs(self, rep: int) -> list:
+        """Every configuration once, the first moving on by one per length (interleaved)."""
+        jobs = [*self.engines, *self.llama_cpp]
+        shift = rep % len(jobs)
+        return jobs[shift:] + jobs[:shift]
+
+    def measure(self, job, ids: list[int]) -> dict[str, float]:
+        if isinstance(job, PluginEngine):
+            self.report["plugin_settings"][str(len(ids))] = job.settings(len(ids) + self.args.new_tokens + 1)
+            return job.run(ids, self.args.new_tokens)
+        self.report["configs"][job.name] = asdict(job)
+        return run_llama_cpp(job, self.gguf[job.weights], ids, self.args.new_tokens, self.report["train_length"],
+                             self.args.threads)
+
+    def run(self) -> dict:
+        from tqdm import tqdm
+
+        rng, args = random.Random(0), self.args
+        vocab = self.engines[0].llm.llm_engine.vllm_config.model_config.get_vocab_size()
+        self.engines[0].seconds([5] * 64, 2)  # warm-up: first-call work
+        with tqdm(total=len(args.lengths) * len(self.jobs(0)), desc="llama.cpp vs plugin", unit="run") as bar:
+            for index, length in enumerate(args.lengths):
+                ids = [rng.randrange(100, min(vocab, 40000)) for _ in range(length)]
+                for job in self.jobs(index):
+                    bar.set_postfix(length=length, config=job.name)
+                    self.report["runs"].setdefault(job.name, {})[str(length)] = self.measure(job, ids)
+                    self.write()
+                    bar.update()
+        return self.report
+
+    def write(self) -> None:
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(self.report, indent=2) + "\n")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Per length, each configuration's end-to-end seconds as prefill plus decode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [str(n) for n in report["lengths"]]
+    names = list(report["runs"])
+    figure, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 0.45 * len(names) + 1.8), squeeze=False)
+    for axis, n in zip(axes[0], lengths):
+        runs = [report["runs"][name].get(n) for name in names]
+        prefill = [run["prefill"] if run else 0 for run in runs]
+        decode = [run["end_to_end"] - run["prefill"] if run else 0 for run in runs]
+        colours = ["tab:green" if name.startswith("plugin") else "tab:gray" for name in names]
+        axis.barh(names, prefill, color=colours, label="prefill")
+        axis.barh(names, decode, left=prefill, color=colours, alpha=0.45, hatch="//",
+                  label=f"{report['new_tokens']} new tokens")
+        axis.invert_yaxis()
+        axis.set(xlabel="seconds, end to end", title=f"{int(n) // 1024}k-token prompt")
+        axis.grid(alpha=0.3, axis="x")
+        axis.legend(loc="lower right")
+    figure.suptitle(f"{report['model']} on {report['machine']}, {report['threads']} threads")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def markdown(report: dict) -> str:
+    """llama_cpp_speed.json as bench/README.md shows it: a table per length and the readings against llama.cpp."""
+    lines = [f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, llama-cpp-python "
+             f"{report['llama_cpp_python']} with {report['threads']} threads and its defaults: "
+             f"{report['llama_cpp_defaults']}; one run, interleaved; {report['new_tokens']} new tokens):", "",
+             "| context | config | prefill s | TPOT ms | end to end s | plugin's end to end x this |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    plugin = next(name for name in report["runs"] if name.startswith("plugin auto, bfloat16"))
+    readings = []
+    for n in map(str, report["lengths"]):
+        ours = report["runs"][plugin].get(n)
+        for name, runs in report["runs"].items():
+            if n in runs:
+                run = runs[n]
+                share = f"{ours['end_to_end'] / run['end_to_end']:.2f}" if ours else "-"
+                lines.append(f"| {int(n) // 1024}k | {name} | {run['prefill']:.1f} | {run['tpot'] * 1000:.1f} | "
+                             f"{run['end_to_end']:.1f} | {share} |")
+        if ours:
+            readings.append(end_to_end_reading(report, plugin, n))
+    settings = "; ".join(f"{int(n) // 1024}k: {json.dumps(s)}" for n, s in report["plugin_settings"].items())
+    return "\n".join(lines + ["", *[f"- {line}" for line in readings], f"- `auto` ran {settings}."])
+
+
+def end_to_end_reading(report: dict, plugin: str, n: str) -> str:
+    """Whether the plugin in bfloat16 beats llama.cpp's F32 and BF16 runs end to end at length ``n``, and Q4_1."""
+    ours, runs = report["runs"][plugin][n]["end_to_end"], report["runs"]
+
+    def against(weights: str) -> list[str]:
+        return [f"{name.removeprefix('llama.cpp ')} {runs[name][n]['end_to_end']:.1f} s"
+                for name, config in report["configs"].items() if config["weights"] == weights and n in runs[name]]
+
+    full = [name for name, config in report["configs"].items() if config["weights"] in ("F32", "BF16")
+            and n in runs[name]]
+    fastest = min((runs[name][n]["end_to_end"] for name in full), default=float("inf"))
+    verdict = "faster than every" if ours < fastest else "not faster than every"
+    return (f"At {int(n) // 1024}k the plugin in bfloat16 takes {ours:.1f} s end to end: {verdict} F32 and BF16 "
+            f"run of llama.cpp ({', '.join(against('F32') + against('BF16'))}); Q4_1: "
+            f"{', '.join(against('Q4_1'))}.")
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench.speed importable
+    args = parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.out.read_text())))
+        return
+    report = Comparison(args).run()
+    plot(report, args.out.with_suffix(".png"))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

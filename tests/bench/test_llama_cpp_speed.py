@@ -1,0 +1,45 @@
+"""The llama.cpp comparison's report and timing (its run builds GGUFs and runs llama.cpp and the
+plugin at 16k and 32k for over an hour: a benchmark, run by hand; bench/results holds the last one)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from bench import llama_cpp_speed
+
+
+def report_with(plugin_seconds: float) -> dict:
+    configs = llama_cpp_speed.llama_cpp_configs(linear=True)
+    runs = {config.name: {"16384": {"prefill": 10.0 + i, "tpot": 0.05, "end_to_end": 20.0 + i}}
+            for i, config in enumerate(configs)}
+    runs["plugin auto, bfloat16"] = {"16384": {"prefill": plugin_seconds / 2, "tpot": 0.04,
+                                               "end_to_end": plugin_seconds}}
+    return {"date": "2026-11-26T00:00:00", "machine": "a CPU, 2 cores", "model": "SmolLM2-135M-Instruct",
+            "llama_cpp_python": "0.3.36", "threads": 2, "llama_cpp_defaults": "f16 KV cache", "new_tokens": 256,
+            "lengths": [16384], "configs": {c.name: asdict(c) for c in configs}, "runs": runs,
+            "plugin_settings": {"16384": {"method": "rerope", "window": 2048, "log_n": True}}}
+
+
+@pytest.mark.parametrize("plugin_seconds, verdict", [(19.0, "faster than every"), (21.5, "not faster than every")])
+def test_the_reading_compares_with_every_full_precision_run(plugin_seconds, verdict):
+    """The verdict is against the fastest F32 or BF16 run (20 s here), whatever Q4_1 does."""
+    text = llama_cpp_speed.markdown(report_with(plugin_seconds))
+    reading = next(line for line in text.splitlines() if line.startswith("- At 16k"))
+    assert f": {verdict} F32 and BF16" in reading and "Q4_1: Q4_1, FA off 24.0 s, Q4_1, FA on 25.0 s" in reading
+    assert f"| 16k | llama.cpp F32, FA off | 10.0 | 50.0 | 20.0 | {plugin_seconds / 20:.2f} |" in text
+    assert '`auto` ran 16k: {"method": "rerope"' in text
+
+
+def test_every_weight_runs_with_flash_attention_off_and_on():
+    names = [config.name for config in llama_cpp_speed.llama_cpp_configs(linear=False)]
+    assert len(set(names)) == 6 and all(f"llama.cpp {w}, FA {f}" in names
+                                        for w in llama_cpp_speed.WEIGHTS for f in ("on", "off"))
+
+
+def test_generation_timing_splits_the_first_token_from_the_rest(monkeypatch):
+    clock = iter([0.0, 3.0, 5.0])  # before, at the first token, after the last
+    monkeypatch.setattr(llama_cpp_speed.time, "perf_counter", lambda: next(clock))
+    timing = llama_cpp_speed.time_generation(iter(range(5)), new_tokens=4)
+    assert timing == {"prefill": 3.0, "tpot": 0.5, "end_to_end": 5.0}
