@@ -25,6 +25,7 @@ RENDERERS = {
     "speed_bfloat16": ("speed", "markdown"),
     "attention_kernels": ("attention_kernels", "markdown"),
     "transformers_baseline": ("transformers_baseline", "markdown"),
+    "llama_cpp_speed": ("llama_cpp_speed", "markdown"),
     "eval": ("evaluate", "markdown"),
     "eval_quick": ("evaluate", "markdown"),
     "loadtest": ("readme", "loadtest_markdown"),
