@@ -239,12 +239,14 @@ class Comparison:
     def run(self) -> dict:
         from tqdm import tqdm
 
+        from bench.speed import random_prompt
+
         rng, args = random.Random(0), self.args
         vocab = self.engines[0].llm.llm_engine.vllm_config.model_config.get_vocab_size()
         self.engines[0].seconds([5] * 64, 2)  # warm-up: first-call work
         with tqdm(total=len(args.lengths) * len(self.jobs(0)), desc="llama.cpp vs plugin", unit="run") as bar:
             for index, length in enumerate(args.lengths):
-                ids = [rng.randrange(100, min(vocab, 40000)) for _ in range(length)]
+                ids = random_prompt(rng, vocab, length)
                 for job in self.jobs(index):
                     if self.done(job, length):  # --resume: measured by the run before
                         bar.update()

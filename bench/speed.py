@@ -75,6 +75,11 @@ class PeakMemory:
         self._thread.join()
 
 
+def random_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
+    """``length`` random token ids (none of the first hundred, where special tokens sit)."""
+    return [rng.randrange(100, min(vocab, 40000)) for _ in range(length)]
+
+
 class SideBySide:
     """Stock vLLM and the plugin's engine in one process, each request timed by its
     configuration: ``"stock"``, or a method's name for the plugin (the request's settings,
@@ -100,8 +105,7 @@ class SideBySide:
         return cls(stock, LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common)))
 
     def prompt(self, rng: random.Random, length: int) -> list[int]:
-        """``length`` random token ids (none of the first hundred, where special tokens sit)."""
-        return [rng.randrange(100, min(self.vocab, 40000)) for _ in range(length)]
+        return random_prompt(rng, self.vocab, length)
 
     def run(self, config: str, ids: list[int], max_tokens: int) -> float:
         """Seconds for one request of ``ids`` and ``max_tokens`` new tokens (greedy, past EOS)."""
