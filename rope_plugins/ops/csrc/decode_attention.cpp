@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -32,7 +33,9 @@ using rope_kernels::rotate;
 namespace avx512 = rope_kernels::avx512;
 #endif
 
-constexpr int64_t kPrefetch = 16;  // keys ahead whose key and value rows are fetched while scoring
+// keys ahead whose key and value rows are fetched into L2 while scoring (measured at 32k in
+// bfloat16: 16 keys into L1 left the loop waiting on memory, 64 into L2 read 1.5x faster)
+constexpr int64_t kPrefetch = 64;
 constexpr int64_t kCacheLine = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -54,10 +57,14 @@ struct DecodeView {
 // A work item's buffers, one set per thread.
 struct DecodeScratch {
   std::vector<float> rotated, widened, scores, near_q, far_q, far_q_step;
+  std::vector<float> partial;  // AVX-512 scoring: each query's unsummed products with 16 keys
+  std::vector<float> split;    // AVX512_BF16 scoring: each query as two bfloat16 parts (64-byte aligned)
   std::vector<const void*> row_of;  // each key's cache row (its value follows d elements on)
   DecodeScratch(int64_t d, int64_t queries_per_kv)
       : rotated(d), widened(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
-        far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), row_of(kDecodeChunk) {}
+        far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), partial(queries_per_kv * 16 * 16),
+        split(queries_per_kv * d + 16),
+        row_of(kDecodeChunk) {}
 
   // key j's row (value: at + d) as float32: in place in a float32 cache, else widened into `widened`
   template <typename Element>
@@ -159,22 +166,43 @@ void find_rows(const DecodeView& view, const DecodeItem& item, DecodeScratch& sc
 // keys and values interleave (other heads' rows too, by layout): on that stride the hardware
 // prefetcher alone leaves the loop waiting, so each row is asked for ahead
 template <typename Element, int64_t d>
+inline void prefetch_row(const DecodeScratch& scratch, int64_t j) {
+  const char* row = static_cast<const char*>(scratch.row_of[j]);
+  for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(Element)); byte += kCacheLine)
+    __builtin_prefetch(row + byte, 0, 1);  // locality 1: into L2
+}
+
+template <typename Element, int64_t d>
 inline void prefetch(const DecodeScratch& scratch, int64_t j, int64_t keys) {
-  if (j + kPrefetch < keys) {
-    const char* ahead = static_cast<const char*>(scratch.row_of[j + kPrefetch]);
-    for (int64_t byte = 0; byte < 2 * d * int64_t(sizeof(Element)); byte += kCacheLine)
-      __builtin_prefetch(ahead + byte, 0, 3);
-  }
+  if (j + kPrefetch < keys) prefetch_row<Element, d>(scratch, j + kPrefetch);
+}
+
+// the rows the scoring loop does not ask for ahead: its first kPrefetch
+template <typename Element, int64_t d>
+inline void prefetch_first(const DecodeScratch& scratch, int64_t keys) {
+  for (int64_t j = 0; j < std::min(kPrefetch, keys); ++j) prefetch_row<Element, d>(scratch, j);
 }
 
 // scores[g][j] = queries[g] . (key j turned by angle(j)) for keys from <= j < to; angle(j) is a
-// {cos, sin} pair of [d/2] tables ({null, null}: the raw key). One key at a time: a turned key is
-// widened as it is turned, a raw 16-bit one widened into scratch. (Scoring 16 keys in AVX-512
-// registers and summing them by one transpose measured slower.)
+// {cos, sin} pair of [d/2] tables ({null, null}: the raw key). With AVX-512, a key is widened and
+// turned in registers and its products summed 16 keys at a time (decode_vector.h); elsewhere one
+// key at a time: a turned key is widened as it is turned, a raw 16-bit one widened into scratch.
 template <typename Element, int64_t d, typename Angle>
 void score_run(DecodeScratch& scratch, int64_t from, int64_t to, int64_t keys, const float* queries,
                int64_t queries_per_kv, Angle angle) {
   float* scores = scratch.scores.data();
+#if defined(__AVX512F__)
+  if constexpr (avx512::kScores<d>) {
+    const auto key_of = [&](int64_t j, __m512* key) {
+      const auto [cos, sin] = angle(j);
+      avx512::load_key<d>(static_cast<const Element*>(scratch.row_of[j]), cos, sin, key);
+    };
+    const avx512::WidenedKeys<d, decltype(key_of)> widened{queries, key_of};
+    avx512::score_keys(widened, from, to, queries_per_kv, scores, kDecodeChunk, scratch.partial.data(),
+                       [&](int64_t j) { prefetch<Element, d>(scratch, j, keys); });
+    return;
+  }
+#endif
   for (int64_t j = from; j < to; ++j) {
     prefetch<Element, d>(scratch, j, keys);
     const auto [cos, sin] = angle(j);
@@ -194,6 +222,15 @@ using Angle = std::pair<const float*, const float*>;
 // keys j < near_from under ReRoPE's far rule: the far query against the raw keys
 template <typename Element, int64_t d>
 void score_raw(const DecodeView& view, int64_t near_from, int64_t keys, DecodeScratch& scratch) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Element, c10::BFloat16> && avx512::kScores<d>) {
+    const avx512::RawBfloat16Keys<d> raw{scratch.row_of.data(), reinterpret_cast<char*>(scratch.split.data())};
+    raw.prepare(scratch.far_q.data(), view.queries_per_kv);
+    avx512::score_keys(raw, 0, near_from, view.queries_per_kv, scratch.scores.data(), kDecodeChunk,
+                       scratch.partial.data(), [&](int64_t j) { prefetch<Element, d>(scratch, j, keys); });
+    return;
+  }
+#endif
   score_run<Element, d>(scratch, 0, near_from, keys, scratch.far_q.data(), view.queries_per_kv,
                         [](int64_t) { return Angle{nullptr, nullptr}; });
 }
@@ -273,6 +310,7 @@ void attend_chunk(const DecodeView& view, int64_t index, DecodeScratch& scratch)
   }
   turn_queries<d>(view, item, scratch);
   find_rows<Element>(view, item, scratch);
+  prefetch_first<Element, d>(scratch, item.last - item.first);
   const int64_t keys = item.last - item.first, m = view.seq_lens[item.r] - 1;
   const int64_t near_from = std::clamp(m - view.window[item.r] + 1 - item.first, int64_t(0), keys);  // m - n < w
   if (view.far_table[item.r] < 0)

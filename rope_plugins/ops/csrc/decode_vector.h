@@ -1,16 +1,18 @@
-// The decode's P.V in AVX-512 registers, for head sizes in whole 16-float vectors: each value row
-// is widened in registers once and added into the sums of a group of the kv head's queries,
-// which stay in registers across the chunk (the portable loop keeps them in memory: a load and
-// a store per value vector and query). csrc/decode_attention.cpp takes it where the compiler
-// targets AVX-512 and its portable loop elsewhere; both compute in float32 and the tests hold
-// both to the oracle.
+// The decode in AVX-512 registers: scoring (each key loaded once for all of its kv head's
+// queries, the products summed 16 keys at a time; raw bfloat16 keys by vdpbf16ps where the CPU
+// has AVX512_BF16) and P.V (each value row widened in registers once and added into the sums of
+// a group of queries, which stay in registers across the chunk). csrc/decode_attention.cpp takes
+// them where the compiler targets AVX-512 and its portable loops elsewhere; both compute in
+// float32 and the tests hold both to the oracle.
 #pragma once
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <type_traits>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -32,9 +34,171 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Scoring keys in registers needs each half of a head in whole vectors (the rotation's pairs).
+template <int64_t d>
+constexpr bool kScores = d % (2 * kLanes) == 0;
+
+// A cache row's key as d / 16 float32 vectors, turned by the angle of the pairs (i, i + d/2)
+// whose cos and sin are given (cos null: the key as it is).
+template <int64_t d, typename Element>
+inline void load_key(const Element* row, const float* cos, const float* sin, __m512* key) {
+  constexpr int64_t vectors = d / kLanes, half = vectors / 2;
+  if (cos == nullptr) {
+    for (int64_t i = 0; i < vectors; ++i) key[i] = load16(row + kLanes * i);
+    return;
+  }
+  for (int64_t i = 0; i < half; ++i) {
+    const __m512 first = load16(row + kLanes * i), second = load16(row + d / 2 + kLanes * i);
+    const __m512 c = _mm512_loadu_ps(cos + kLanes * i), s = _mm512_loadu_ps(sin + kLanes * i);
+    key[i] = _mm512_fmsub_ps(first, c, _mm512_mul_ps(second, s));
+    key[i + half] = _mm512_fmadd_ps(second, c, _mm512_mul_ps(first, s));
+  }
+}
+
+// Where key k of a block of 16 puts its unsummed products so that sum_lanes returns the
+// block's sums in key order (sum_lanes' last step leaves vector 4s + t's sum in lane 4t + s).
+constexpr int64_t lane_slot(int64_t k) { return (k % 4) * 4 + k / 4; }
+
+// The sums of 16 vectors' lanes, one per lane (lane 4t + s: vector 4s + t's), by halving them
+// pairwise: 45 instructions for 16 sums, where one sum alone takes 8 and waits on each.
+inline __m512 sum_lanes(const __m512* v) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: vectors 2i, 2i+1 to 8 lanes each
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: 4 vectors, 4 lanes each
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // pairs of lanes within each quarter: 2 lanes each
+    const __m512d a = _mm512_castps_pd(quarters[2 * i]), b = _mm512_castps_pd(quarters[2 * i + 1]);
+    eighths[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 even = _mm512_shuffle_ps(eighths[0], eighths[1], 0x88);
+  const __m512 odd = _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD);
+  return _mm512_add_ps(even, odd);
+}
+
+// The keys of a run as float32 vectors, each turned by its angle (or raw): key_of(j, vectors)
+// loads key j, product(key, g) is query g's unsummed products with it.
+template <int64_t d, typename KeyOf>
+struct WidenedKeys {
+  using Key = std::array<__m512, d / kLanes>;
+  const float* queries;
+  KeyOf key_of;
+  void load(int64_t j, Key& key) const { key_of(j, key.data()); }
+  __m512 product(const Key& key, int64_t g) const {
+    const float* query = queries + g * d;
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(query), key[0]);
+    for (int64_t i = 1; i < d / kLanes; ++i) sum = _mm512_fmadd_ps(_mm512_loadu_ps(query + kLanes * i), key[i], sum);
+    return sum;
+  }
+};
+
+#if defined(__AVX512BF16__)
+// Raw bfloat16 keys as they lie in the cache, against each query split in two bfloat16 parts
+// (q = high + low, to 2^-17 of q): vdpbf16ps multiplies the 16-bit pairs exactly and sums in
+// float32, so a key is used without being widened. prepare() splits the queries once per run.
+template <int64_t d>
+struct RawBfloat16Keys {
+  using Key = std::array<__m512i, d / (2 * kLanes)>;
+  static constexpr int64_t vectors = d / (2 * kLanes);  // 32 bfloat16 each
+  const void* const* rows;
+  char* split;  // [queries][2][vectors] 64-byte vectors: the high parts, then the low ones
+
+  char* part(int64_t g, int64_t low, int64_t i) const { return split + ((2 * g + low) * vectors + i) * 64; }
+  static __m512bh halve(__m512 first, __m512 second) { return _mm512_cvtne2ps_pbh(second, first); }
+  static __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
+  void prepare(const float* queries, int64_t queries_per_kv) const {
+    for (int64_t g = 0; g < queries_per_kv; ++g)
+      for (int64_t i = 0; i < vectors; ++i) {
+        const __m512 first = _mm512_loadu_ps(queries + g * d + 2 * kLanes * i);
+        const __m512 second = _mm512_loadu_ps(queries + g * d + 2 * kLanes * i + kLanes);
+        const __m512bh high = halve(first, second);
+        const __m512i bits = reinterpret_cast<const __m512i&>(high);
+        const __m512 rest_first = _mm512_sub_ps(first, widen(_mm512_castsi512_si256(bits)));
+        const __m512 rest_second = _mm512_sub_ps(second, widen(_mm512_extracti64x4_epi64(bits, 1)));
+        const __m512bh low = halve(rest_first, rest_second);
+        _mm512_storeu_si512(part(g, 0, i), reinterpret_cast<const __m512i&>(high));
+        _mm512_storeu_si512(part(g, 1, i), reinterpret_cast<const __m512i&>(low));
+      }
+  }
+  void load(int64_t j, Key& key) const {
+    for (int64_t i = 0; i < vectors; ++i)
+      key[i] = _mm512_loadu_si512(static_cast<const char*>(rows[j]) + 2 * kLanes * sizeof(uint16_t) * i);
+  }
+  __m512 product(const Key& key, int64_t g) const {
+    __m512 high_sum = _mm512_setzero_ps(), low_sum = _mm512_setzero_ps();  // two chains: half the wait
+    for (int64_t i = 0; i < vectors; ++i) {
+      const __m512bh bits = reinterpret_cast<const __m512bh&>(key[i]);
+      const __m512i high = _mm512_loadu_si512(part(g, 0, i)), low = _mm512_loadu_si512(part(g, 1, i));
+      high_sum = _mm512_dpbf16_ps(high_sum, reinterpret_cast<const __m512bh&>(high), bits);
+      low_sum = _mm512_dpbf16_ps(low_sum, reinterpret_cast<const __m512bh&>(low), bits);
+    }
+    return _mm512_add_ps(high_sum, low_sum);
+  }
+};
+#endif
+
+// scores[g * stride + j] = queries[g] . key_j for from <= j < to and g < queries_per_kv. Each key
+// is loaded once for all the queries (before(j) runs first: the prefetch); their products wait
+// unsummed in `partial` (queries_per_kv * 16 vectors) until 16 keys are summed at once.
+template <typename Keys, typename Before>
+inline void score_keys(const Keys& keys, int64_t from, int64_t to, int64_t queries_per_kv, float* scores,
+                       int64_t stride, float* partial, Before before) {
+  for (int64_t block = from; block < to; block += kLanes) {
+    const int64_t count = std::min(kLanes, to - block);
+    for (int64_t k = 0; k < count; ++k) {
+      before(block + k);
+      typename Keys::Key key;
+      keys.load(block + k, key);
+      for (int64_t g = 0; g < queries_per_kv; ++g)
+        _mm512_storeu_ps(partial + (g * kLanes + lane_slot(k)) * kLanes, keys.product(key, g));
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t g = 0; g < queries_per_kv; ++g) {
+      __m512 products[kLanes];
+      for (int64_t slot = 0; slot < kLanes; ++slot)
+        products[slot] = _mm512_loadu_ps(partial + (g * kLanes + slot) * kLanes);
+      _mm512_mask_storeu_ps(scores + g * stride + block, mask, sum_lanes(products));
+    }
+  }
+}
+
 // queries whose P.V sums stay in registers together: 16 of the 32 vector registers
 template <int64_t d>
 constexpr int64_t kValueGroup = std::clamp<int64_t>(kLanes * kLanes / d, 1, 8);
+
+// A value row as d / 16 float32 vectors. bfloat16 rows of whole 32-element vectors are widened
+// two instructions per 32 elements, their even elements (shifted up) and odd ones (masked) in
+// separate vectors; store_value puts the sums back in order.
+template <int64_t d, typename Element>
+inline void load_value(const Element* value, __m512* row) {
+  if constexpr (std::is_same_v<Element, c10::BFloat16> && kScores<d>) {
+    const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t i = 0; i < d / (2 * kLanes); ++i) {
+      const __m512i pairs = _mm512_loadu_si512(value + 2 * kLanes * i);
+      row[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      row[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, odd_mask));
+    }
+  } else {
+    for (int64_t i = 0; i < d / kLanes; ++i) row[i] = load16(value + kLanes * i);
+  }
+}
+
+template <int64_t d, typename Element>
+inline void store_value(const __m512* sums, float* out) {
+  if constexpr (std::is_same_v<Element, c10::BFloat16> && kScores<d>) {
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int64_t i = 0; i < d / (2 * kLanes); ++i) {
+      _mm512_storeu_ps(out + 2 * kLanes * i, _mm512_permutex2var_ps(sums[2 * i], first, sums[2 * i + 1]));
+      _mm512_storeu_ps(out + 2 * kLanes * i + kLanes, _mm512_permutex2var_ps(sums[2 * i], second, sums[2 * i + 1]));
+    }
+  } else {
+    for (int64_t i = 0; i < d / kLanes; ++i) _mm512_storeu_ps(out + kLanes * i, sums[i]);
+  }
+}
 
 // out[g] = sum_j weights[g * stride + j] value_j for g < group, j < keys (value_j: d elements after rows[j])
 template <int64_t d, typename Element, int64_t group>
@@ -45,14 +209,13 @@ inline void sum_values(const void* const* rows, int64_t keys, const float* weigh
   for (int64_t j = 0; j < keys; ++j) {
     const Element* value = static_cast<const Element*>(rows[j]) + d;
     __m512 row[d / kLanes];
-    for (int64_t i = 0; i < d / kLanes; ++i) row[i] = load16(value + kLanes * i);
+    load_value<d>(value, row);
     for (int64_t g = 0; g < group; ++g) {
       const __m512 weight = _mm512_set1_ps(weights[g * stride + j]);
       for (int64_t i = 0; i < d / kLanes; ++i) sums[g][i] = _mm512_fmadd_ps(weight, row[i], sums[g][i]);
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d / kLanes; ++i) _mm512_storeu_ps(out + g * d + kLanes * i, sums[g][i]);
+  for (int64_t g = 0; g < group; ++g) store_value<d, Element>(sums[g], out + g * d);
 }
 
 // sum_values for queries_per_kv queries, kValueGroup<d> at a time
