@@ -9,8 +9,8 @@
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the
 model's operators; prints the top operators by self CPU time and writes the table to
 bench/results/profile_<config>_<length>.txt (``--dtype bfloat16`` adds ``_bfloat16``; ``--cached``:
-the prompt is in the prefix cache before the profiled request, so the profile is decode steps, in
-profile_<config>_<length>_decode.txt;
+the prompt is in the prefix cache before the profiled request, and the profile covers its decode
+steps alone (``--new-tokens`` - 1 of them), in profile_<config>_<length>_decode.txt;
 ``--batch 8``: that many requests at once, each with its own prompt, and ``--config mixed`` gives them
 bench/speed.py's mix of settings, in profile_<config>_<length>_batch8.txt).
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -66,14 +67,34 @@ def main() -> None:
         built = [extension_request(p, params, parse_settings(s, defaults)) for p, s in zip(prompts, settings)]
         requests = [b[0] for b in built], [b[1] for b in built]
     llm.generate(*requests, use_tqdm=False)  # warm (and, with --cached, fill the prefix cache)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    if args.cached:
+        decode_steps(llm, *requests, profile)
+    else:
+        profile.start()
         llm.generate(*requests, use_tqdm=False)
+    profile.stop()
     table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
     print(table)
     RESULTS.mkdir(exist_ok=True)
     suffix = ("_decode" if args.cached else "") + (f"_batch{args.batch}" if args.batch > 1 else "")
     suffix += f"_{args.dtype}" if args.dtype != "float32" else ""
     (RESULTS / f"profile_{args.config}_{args.length}{suffix}.txt").write_text(table)
+
+
+def decode_steps(llm, prompts: list, params: list, profile) -> None:
+    """The requests step by step: the first step (the prompt's last block, past the prefix
+    cache, and the first token) unprofiled, then ``profile`` over the decode steps alone."""
+    engine = llm.llm_engine
+    for index, (prompt, sampling) in enumerate(zip(prompts, params)):
+        engine.add_request(f"profiled-{index}", prompt, sampling)
+    engine.step()
+    profile.start()
+    steps, began = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    print(f"{steps} decode steps profiled: {(time.perf_counter() - began) / steps * 1e3:.1f} ms each (profiler on)")
 
 
 if __name__ == "__main__":
