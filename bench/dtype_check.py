@@ -27,6 +27,8 @@ RESULTS = ROOT / "bench" / "results"
 DTYPES = ("float32", "bfloat16")
 LOSS_TOLERANCE = 0.05  # nats: more than this above float32's loss is a wrong model, not rounding
 TEXT_TOKENS = 2048
+# nats: how far each method's bfloat16 loss past training may stray from its float32 loss
+METHOD_TOLERANCE = 0.005
 QUESTIONS = {  # how each model is asked (a chat, or a text to complete), what, and what a correct answer contains
     "smollm2-135m": ("chat", "What is the capital of France?", ("Paris",)),
     "qwen2.5-coder-0.5b": ("chat", "Write a Python function that returns the sum of a list of numbers.",
@@ -100,11 +102,46 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def method_losses(float32_runs: Path, bfloat16_runs: Path, length: int) -> dict:
+    """Each setting's loss at ``length`` in both dtypes, from bench/evaluate.py's results logs
+    (a float32 server's and a ``--dtype bfloat16`` one's: the same text and scored tokens)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from evaluate import current_records
+
+    def losses(runs: Path) -> dict[str, float]:
+        return {r["label"]: r["nll"] for r in current_records(runs) if r["test"] == "loss" and r["length"] == length}
+
+    float32, bfloat16 = losses(float32_runs), losses(bfloat16_runs)
+    rows = [{"setting": label, "float32": float32[label], "bfloat16": bfloat16[label],
+             "difference": bfloat16[label] - float32[label],
+             "within": abs(bfloat16[label] - float32[label]) <= METHOD_TOLERANCE}
+            for label in float32 if label in bfloat16]
+    return {"length": length, "tolerance": METHOD_TOLERANCE, "rows": rows, "all_within": all(r["within"] for r in rows)}
+
+
+def methods_markdown(report: dict) -> str:
+    lines = [f"Each setting's loss at {report['length']:,} tokens (bench/evaluate.py's loss: its last 4,096 "
+             f"tokens of real text) served in float32 and in bfloat16; bfloat16 within {report['tolerance']} "
+             "nats of float32:", "", "| setting | float32 | bfloat16 | difference | within |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['setting']} | {r['float32']:.4f} | {r['bfloat16']:.4f} | {r['difference']:+.4f} | "
+              f"{'yes' if r['within'] else '**no**'} |" for r in report["rows"]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(QUESTIONS))
     parser.add_argument("--out", type=Path, default=RESULTS / "dtype.json")
+    parser.add_argument("--methods-at", type=int, metavar="LENGTH",
+                        help="compare the results logs of bench/evaluate.py and evaluate.py --dtype bfloat16 at "
+                             "LENGTH instead (writes bench/results/dtype_methods.json)")
     args = parser.parse_args(argv)
+    if args.methods_at:
+        report = method_losses(RESULTS / "eval_runs.jsonl", RESULTS / "eval_bfloat16_runs.jsonl", args.methods_at)
+        (RESULTS / "dtype_methods.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(methods_markdown(report))
+        return 0 if report["all_within"] else 1
     sys.path.insert(0, str(ROOT))
     from tqdm import tqdm
 

@@ -719,6 +719,8 @@ def parse_args() -> argparse.Namespace:
                         help="which measurements (a partial run spends the CPU on the loss curves first)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--url", help="evaluate a running server instead of starting one")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the started server's model dtype (not float32: results in eval[_quick]_<dtype>*)")
     parser.add_argument("--runs", type=Path, help="results log (default bench/results/eval[_quick]_runs.jsonl)")
     parser.add_argument("--budget-minutes", type=float,
                         help="start no measurement that would end after this many minutes (by the log's timings); "
@@ -734,15 +736,16 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     quick = args.quick
-    stem = "eval_quick" if quick else "eval"
+    stem = ("eval_quick" if quick else "eval") + ("" if args.dtype == "float32" else f"_{args.dtype}")
     args.runs = args.runs or args.out_dir / f"{stem}_runs.jsonl"
     lengths = [QUICK_LENGTH] if quick else args.lengths
     grid = configs(args.methods, log_n_too=not (quick or args.without_log_n))
     jobs = [("loss", s, QUICK_LENGTH) for s in grid] if quick else plan(lengths, grid, args.depths, args.keys,
                                                                          args.ablations)
     jobs = [job for job in jobs if job[0] in args.tests]
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": "SmolLM2-135M-Instruct (float32)",
-            "train_length": TRAIN_LENGTH, "corpus": args.corpus, "profile": "quick" if quick else "full",
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "model": f"SmolLM2-135M-Instruct ({args.dtype})", "train_length": TRAIN_LENGTH, "corpus": args.corpus,
+            "profile": "quick" if quick else "full",
             "passkey_trials_per_length": 0 if quick else len(args.depths) * args.keys}
     if args.table:
         return report(args.runs, jobs, meta, args.out_dir, stem, args.readme)
@@ -781,7 +784,7 @@ def measure(args: argparse.Namespace, stem: str, longest: int, to_do: list[tuple
 
     served = longest + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
-             "--max-num-seqs", "2", "--log-level", "warning"]
+             "--max-num-seqs", "2", "--log-level", "warning", "--dtype", args.dtype]
     context = running_server(flags, args.out_dir / f"{stem}_server.log") if not args.url else None
     server = context.__enter__() if context else None
     try:
