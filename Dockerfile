@@ -36,7 +36,7 @@ ENV VLLM_FLAVOUR=${VLLM_FLAVOUR} \
 # point release, and the base image tag already fixes the release.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ make libnuma1 \
+    && apt-get install -y --no-install-recommends g++ make libnuma1 libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml Makefile README.md ./
@@ -51,11 +51,12 @@ COPY bench/ bench/
 FROM ${BASE_IMAGE} AS runtime
 # vLLM's CPU backend compiles the model with torch.compile (inductor), which needs g++ at
 # run time (and Triton, on CUDA, gcc for its launchers); libgomp for OpenMP; libnuma1 for vLLM's
-# CPU ops (vllm._C links libnuma.so.1: without it the engine does not start). Unpinned for the
-# reason above.
+# CPU ops (vllm._C links libnuma.so.1: without it the engine does not start); tcmalloc, which
+# vLLM's CPU guide asks to preload (the server does: rope_plugins/frontend/engine_args.py).
+# Unpinned for the reason above.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ libgomp1 libnuma1 \
+    && apt-get install -y --no-install-recommends g++ libgomp1 libnuma1 libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 rope \
     && mkdir -p /models \

@@ -35,6 +35,8 @@ RENDERERS = {
     "fuzz": ("fuzz", "markdown"),
     "base_bound_row": ("base_bound_row", "markdown"),
     "dtype": ("dtype_check", "markdown"),
+    "dtype_methods": ("dtype_check", "methods_markdown"),
+    "preload": ("preload_speed", "markdown"),
     "gpu_check": ("gpu_check", "markdown"),
     "gpu_kernel_speed_key_angles": ("gpu_kernel_speed", "markdown"),
     "gpu_kernel_speed_tile_angles": ("gpu_kernel_speed", "markdown"),

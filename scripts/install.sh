@@ -64,6 +64,19 @@ else
         echo "install: vLLM's CPU ops (vllm._C) do not load; is libnuma installed? (Debian: apt-get install libnuma1)" >&2
         exit 1
     }
+    # tcmalloc, which vLLM's CPU guide asks to preload (the engine's processes get it and Intel
+    # OpenMP: rope_plugins/frontend/engine_args.py); Debian's package, where this may install it
+    if ! compgen -G "/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4" >/dev/null; then
+        if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+            echo "install: tcmalloc (Debian's libtcmalloc-minimal4)"
+            { apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1 \
+                || { apt-get update -q >/dev/null 2>&1 \
+                     && apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1; }; } \
+                || echo "install: libtcmalloc-minimal4 did not install: the engine runs without tcmalloc" >&2
+        else
+            echo "install: no tcmalloc here (Debian: apt-get install libtcmalloc-minimal4); the engine runs without it"
+        fi
+    fi
     echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"
     # torch builds it with ninja, which vLLM installs into the venv: put that on PATH, for a
     # machine (or an image) with no ninja of its own and the venv not activated.

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from rope_plugins.frontend import engine_args
 from rope_plugins.frontend.engine_args import FEW_CORES
 from rope_plugins.rules.settings import parse_settings
 from tests.conftest import running_engine, stock_engine
@@ -337,3 +338,22 @@ def test_bfloat16_engine_is_as_close_to_the_oracle_as_stock_bfloat16(tiny_llama_
     assert max(errors[: len(inside)]) <= 1.5 * stock_error
     assert [r.tokens for r in ours[: len(inside)]] == [r.tokens for r in theirs]
     assert max(errors) <= 2 * stock_error, list(zip(errors, inside + past))
+
+
+def test_the_preloads_go_ahead_of_the_users_once_each(tmp_path, monkeypatch):
+    """tcmalloc and Intel OpenMP go in front of what LD_PRELOAD holds, each once, only where found;
+    ROPE_EXTEND_PRELOAD=0 leaves LD_PRELOAD alone."""
+    tcmalloc, iomp = tmp_path / "libtcmalloc_minimal.so.4", tmp_path / "libiomp5.so"
+    tcmalloc.touch()
+    monkeypatch.setattr(engine_args, "PRELOADED", {"libtcmalloc": (str(tmp_path / "libtcmalloc_minimal.so*"),),
+                                                   "libiomp": (str(iomp),)})
+    monkeypatch.setenv("LD_PRELOAD", "/opt/users.so")
+    monkeypatch.delenv(engine_args.PRELOAD_ENV, raising=False)
+    assert engine_args.preload_cpu_libraries() == [str(tcmalloc)]  # no Intel OpenMP here
+    iomp.touch()
+    assert engine_args.preload_cpu_libraries() == [str(iomp)]  # tcmalloc is there already
+    assert os.environ["LD_PRELOAD"] == f"{iomp}:{tcmalloc}:/opt/users.so"
+    assert engine_args.preload_cpu_libraries() == []
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv(engine_args.PRELOAD_ENV, "0")
+    assert engine_args.preload_cpu_libraries() == [] and os.environ["LD_PRELOAD"] == ""

