@@ -7,8 +7,10 @@ hundred such clients hold the server's sockets (a "slowloris"). This protocol, g
 ``uvicorn.Config(http=...)``, arms its timers the way uvicorn arms the keep-alive one:
 
 - headers: a request's headers must be complete within ``read_timeout`` of the connection's
-  opening, or of the first byte of a later request on a kept-alive connection; else 408 (or
-  just closing, if a response is being written on the connection);
+  opening, or of the first byte of a later request on a kept-alive connection; else 408, after
+  which the connection is half-closed and read (its bytes dropped) for a while before it closes,
+  so a client still sending can read the 408 (or just closing, if a response is being written
+  on the connection);
 - body: each read of the body must come within ``read_timeout`` of the previous one; else the
   connection is closed, and the app, waiting for the body, is told the client disconnected.
 
@@ -28,6 +30,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from rope_plugins.server.errors import error_body
 
 logger = logging.getLogger(__name__)
+# seconds a connection answered 408 is still read, its bytes dropped, before it is closed
+LINGER_SECONDS = 2.0
 
 
 class ReadDeadlineProtocol(HttpToolsProtocol):
@@ -37,10 +41,15 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.read_deadline: asyncio.TimerHandle | None = None
         self.waiting_for: Literal["headers", "body"] = "headers"
+        self.lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.start_deadline("headers")  # a connection that never sends a byte is held too
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:  # after a 408 the rest of the request is dropped unread
+            super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.cancel_deadline()
@@ -93,7 +102,17 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
                     self.read_timeout, "408, " if answer else "")
         if answer:  # nothing is being answered on the connection, so the client can read why
             self.send_408_response()
-        self.transport.close()
+            self.close_lingering()
+        else:
+            self.transport.close()
+
+    def close_lingering(self) -> None:
+        """Half-close after the 408 and drop what still arrives for LINGER_SECONDS, then close (a
+        "lingering close", as nginx does): a client still sending its request to a closed socket
+        gets a reset, which can discard the 408 before the client has read it."""
+        self.lingering = True
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
     def send_408_response(self) -> None:
         """Written as uvicorn writes its own 400, with the OpenAI error body the server's answers have."""
