@@ -105,8 +105,8 @@ def markdown(report: dict) -> str:
 def method_losses(float32_runs: Path, bfloat16_runs: Path, length: int) -> dict:
     """Each setting's loss at ``length`` in both dtypes, from bench/evaluate.py's results logs
     (a float32 server's and a ``--dtype bfloat16`` one's: the same text and scored tokens)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from evaluate import current_records
+    sys.path.insert(0, str(ROOT))
+    from bench.evaluate import current_records
 
     def losses(runs: Path) -> dict[str, float]:
         return {r["label"]: r["nll"] for r in current_records(runs) if r["test"] == "loss" and r["length"] == length}

@@ -86,6 +86,13 @@ TCMALLOC_PATTERNS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib6
 PRELOADED = {"libtcmalloc": TCMALLOC_PATTERNS, "libiomp": (str(Path(sys.prefix) / "lib" / "libiomp5.so"),)}
 
 
+def preloadable_libraries() -> dict[str, str]:
+    """Each library of PRELOADED this machine has (its name: its first path found)."""
+    found = {name: [path for pattern in patterns for path in sorted(glob.glob(pattern))]
+             for name, patterns in PRELOADED.items()}
+    return {name: paths[0] for name, paths in found.items() if paths}
+
+
 def preload_cpu_libraries() -> list[str]:
     """Put tcmalloc and Intel OpenMP in ``LD_PRELOAD``, ahead of what is there, for the engine
     processes vLLM starts (a process reads it when it starts: this one is loaded already).
@@ -93,11 +100,7 @@ def preload_cpu_libraries() -> list[str]:
     if os.environ.get(PRELOAD_ENV) == "0":
         return []
     current = os.environ.get("LD_PRELOAD", "")
-    added = []
-    for name, patterns in PRELOADED.items():
-        found = [path for pattern in patterns for path in sorted(glob.glob(pattern))]
-        if found and name not in current:
-            added.append(found[0])
+    added = [path for name, path in preloadable_libraries().items() if name not in current]
     if added:
         os.environ["LD_PRELOAD"] = ":".join(added + ([current] if current else []))
     return added

