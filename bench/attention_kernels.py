@@ -146,10 +146,12 @@ def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     return run
 
 
-def plugin_decode(window: int, far_rule: bool):
+def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0):
     """The plugin's C++ decode on its own cache layout ``[blocks, kv, bs, 2d]``, with identity
     rotations (its answer is plain attention) but the work of a ``window``-token band and, with
-    ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods)."""
+    ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods). With
+    ``resident_blocks`` the block table wraps around the cache's first blocks, which stay in L2:
+    the kernel's arithmetic without the wait for memory."""
     from rope_plugins.attention.planner import DECODE_FAR_STEP
     from rope_plugins.ops import native
 
@@ -159,13 +161,16 @@ def plugin_decode(window: int, far_rule: bool):
         cache = torch.zeros(rows * per_row, BLOCK, KV_HEADS, 2 * HEAD_DIM, dtype=key.dtype)
         cache.view(rows, per_row * BLOCK, KV_HEADS, 2 * HEAD_DIM)[:, :seq] = torch.cat((key, value), dim=-1)
         cache = cache.transpose(1, 2).contiguous()
+        table = torch.arange(rows * per_row)
+        if resident_blocks:
+            cache, table = cache[:resident_blocks].clone(), table % resident_blocks
         ones = lambda *shape: torch.ones(*shape, half)  # noqa: E731
         zeros = lambda *shape: torch.zeros(*shape, half)  # noqa: E731
         step = DECODE_FAR_STEP
         lengths = torch.full((rows,), seq, dtype=torch.int64)
         inputs = native.decode_inputs(  # once per step, as the plugin packs them
             query_scale=torch.ones(rows), query_cos=ones(rows, 2), query_sin=zeros(rows, 2),
-            block_table=torch.arange(rows * per_row).view(rows, per_row), seq_lens=lengths,
+            block_table=table.view(rows, per_row), seq_lens=lengths,
             window=torch.full((rows,), window, dtype=torch.int64), band_start=(lengths - window).clamp(min=0),
             near_cos=ones(rows, window), near_sin=zeros(rows, window), far_step_cos=ones(1, -(-seq // step)),
             far_step_sin=zeros(1, -(-seq // step)), far_offset_cos=ones(1, step), far_offset_sin=zeros(1, step),

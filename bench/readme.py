@@ -24,6 +24,7 @@ RENDERERS = {
     "speed": ("speed", "markdown"),
     "speed_bfloat16": ("speed", "markdown"),
     "attention_kernels": ("attention_kernels", "markdown"),
+    "decode_bandwidth": ("decode_bandwidth", "markdown"),
     "transformers_baseline": ("transformers_baseline", "markdown"),
     "llama_cpp_speed": ("llama_cpp_speed", "markdown"),
     "eval": ("evaluate", "markdown"),

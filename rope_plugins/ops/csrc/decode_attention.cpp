@@ -5,8 +5,10 @@
 //   dist = m - n < window[r] : q_near . R(n theta) k_n      (the near band, rotated on the fly)
 //   otherwise                : q_far  . R(n omega) k_n      (or q_far . k_n when the row reads old keys raw: ReRoPE)
 // The cache is read in place (no gather copy), each key and value once. Keys are split into
-// chunks so both cores work on a single request; per chunk: every score, one vectorised exp,
-// then P.V; the chunks' partial softmaxes are merged at the end by their maxima.
+// chunks so both cores work on a single request. With AVX-512 a chunk's keys are scored 16 at a
+// time and each block goes straight into an online softmax and P.V (flash decoding); elsewhere
+// every score, one vectorised exp, then P.V. The chunks' partial softmaxes are merged at the end
+// by their maxima.
 //
 // Far angles without a table as large as the cache: with n = s * step + o,
 // q . R(n omega) k = (R(-s step omega) q) . (R(o omega) k), so the query is turned once per
@@ -31,6 +33,12 @@ using rope_kernels::kDecodeChunk;
 using rope_kernels::rotate;
 #if defined(__AVX512F__)
 namespace avx512 = rope_kernels::avx512;
+// AVX-512 scoring takes each block of 16 scores straight into the online softmax and P.V
+template <int64_t d>
+constexpr bool kOnline = avx512::kScores<d>;
+#else
+template <int64_t d>
+constexpr bool kOnline = false;
 #endif
 
 // keys ahead whose key and value rows are fetched into L2 while scoring (measured at 32k in
@@ -60,11 +68,12 @@ struct DecodeScratch {
   std::vector<float> partial;  // AVX-512 scoring: each query's unsummed products with 16 keys
   std::vector<float> split;    // AVX512_BF16 scoring: each query as two bfloat16 parts (as many bytes as in float32)
   std::vector<const void*> row_of;  // each key's cache row (its value follows d elements on)
+  std::vector<float> maxima, totals, sums;  // the online softmax (kOnline): per query, its max, 16 sums, d sums
   DecodeScratch(int64_t d, int64_t queries_per_kv)
       : rotated(d), widened(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
         far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), partial(queries_per_kv * 16 * 16),
-        split(queries_per_kv * d),
-        row_of(kDecodeChunk) {}
+        split(queries_per_kv * d), row_of(kDecodeChunk), maxima(queries_per_kv), totals(queries_per_kv * 16),
+        sums(queries_per_kv * d) {}
 
   // key j's row (value: at + d) as float32: in place in a float32 cache, else widened into `widened`
   template <typename Element>
@@ -183,6 +192,17 @@ inline void prefetch_first(const DecodeScratch& scratch, int64_t keys) {
   for (int64_t j = 0; j < std::min(kPrefetch, keys); ++j) prefetch_row<Element, d>(scratch, j);
 }
 
+#if defined(__AVX512F__)
+// a scored block of keys into the item's online softmax and P.V (decode_vector.h)
+template <typename Element, int64_t d>
+inline void attend_block(DecodeScratch& scratch, int64_t block, int64_t count, int64_t queries_per_kv) {
+  if constexpr (kOnline<d>)
+    avx512::attend_block<d, Element>(scratch.row_of.data(), block, count, scratch.scores.data(), kDecodeChunk,
+                                     queries_per_kv,
+                                     {scratch.maxima.data(), scratch.totals.data(), scratch.sums.data()});
+}
+#endif
+
 // scores[g][j] = queries[g] . (key j turned by angle(j)) for keys from <= j < to; angle(j) is a
 // {cos, sin} pair of [d/2] tables ({null, null}: the raw key). With AVX-512, a key is widened and
 // turned in registers and its products summed 16 keys at a time (decode_vector.h); elsewhere one
@@ -199,7 +219,10 @@ void score_run(DecodeScratch& scratch, int64_t from, int64_t to, int64_t keys, c
     };
     const avx512::WidenedKeys<d, decltype(key_of)> widened{queries, key_of};
     avx512::score_keys(widened, from, to, queries_per_kv, scores, kDecodeChunk, scratch.partial.data(),
-                       [&](int64_t j) { prefetch<Element, d>(scratch, j, keys); });
+                       [&](int64_t j) { prefetch<Element, d>(scratch, j, keys); },
+                       [&](int64_t block, int64_t count) {
+                         attend_block<Element, d>(scratch, block, count, queries_per_kv);
+                       });
     return;
   }
 #endif
@@ -227,7 +250,10 @@ void score_raw(const DecodeView& view, int64_t near_from, int64_t keys, DecodeSc
     const avx512::RawBfloat16Keys<d> raw{scratch.row_of.data(), reinterpret_cast<char*>(scratch.split.data())};
     raw.prepare(scratch.far_q.data(), view.queries_per_kv);
     avx512::score_keys(raw, 0, near_from, view.queries_per_kv, scratch.scores.data(), kDecodeChunk,
-                       scratch.partial.data(), [&](int64_t j) { prefetch<Element, d>(scratch, j, keys); });
+                       scratch.partial.data(), [&](int64_t j) { prefetch<Element, d>(scratch, j, keys); },
+                       [&](int64_t block, int64_t count) {
+                         attend_block<Element, d>(scratch, block, count, view.queries_per_kv);
+                       });
     return;
   }
 #endif
@@ -285,7 +311,8 @@ void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& s
   float* out = view.partial_out + partial * d;
 #if defined(__AVX512F__)
   if constexpr (avx512::kServes<d>) {
-    avx512::sum_all_values<d, Element>(scratch.row_of.data(), keys, scores, kDecodeChunk, queries_per_kv, out);
+    std::fill(out, out + queries_per_kv * d, 0.f);
+    avx512::add_all_values<d, Element>(scratch.row_of.data(), 0, keys, scores, kDecodeChunk, queries_per_kv, out);
     return;
   }
 #endif
@@ -301,6 +328,20 @@ void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& s
   }
 }
 
+// the item's partial softmax from its online one: max, sum and the weighted values in order
+template <typename Element, int64_t d>
+void finish_online(const DecodeView& view, const DecodeItem& item, DecodeScratch& scratch) {
+#if defined(__AVX512F__)
+  for (int64_t g = 0; g < view.queries_per_kv; ++g) {
+    view.partial_max[item.partial + g] = scratch.maxima[g];
+    view.partial_sum[item.partial + g] = _mm512_reduce_add_ps(_mm512_loadu_ps(scratch.totals.data() + g * 16));
+    __m512 sums[d / 16];
+    for (int64_t i = 0; i < d / 16; ++i) sums[i] = _mm512_loadu_ps(scratch.sums.data() + g * d + 16 * i);
+    avx512::store_value<d, Element>(sums, view.partial_out + (item.partial + g) * d);
+  }
+#endif
+}
+
 template <typename Element, int64_t d>
 void attend_chunk(const DecodeView& view, int64_t index, DecodeScratch& scratch) {
   const DecodeItem item = work_item(view, index);
@@ -313,12 +354,20 @@ void attend_chunk(const DecodeView& view, int64_t index, DecodeScratch& scratch)
   prefetch_first<Element, d>(scratch, item.last - item.first);
   const int64_t keys = item.last - item.first, m = view.seq_lens[item.r] - 1;
   const int64_t near_from = std::clamp(m - view.window[item.r] + 1 - item.first, int64_t(0), keys);  // m - n < w
+  if constexpr (kOnline<d>) {
+    std::fill(scratch.maxima.begin(), scratch.maxima.end(), kNegInf);
+    std::fill(scratch.totals.begin(), scratch.totals.end(), 0.f);
+    std::fill(scratch.sums.begin(), scratch.sums.end(), 0.f);
+  }
   if (view.far_table[item.r] < 0)
     score_raw<Element, d>(view, near_from, keys, scratch);
   else
     score_far<Element, d>(view, item, near_from, keys, scratch);
   score_near<Element, d>(view, item, near_from, keys, scratch);
-  sum_values<Element, d>(view, item, scratch);
+  if constexpr (kOnline<d>)
+    finish_online<Element, d>(view, item, scratch);
+  else
+    sum_values<Element, d>(view, item, scratch);
 }
 
 // softmax over all keys = sum_c exp(max_c - M) out_c / sum_c exp(max_c - M) sum_c, for row r's kv head h

@@ -1,7 +1,7 @@
 // The decode in AVX-512 registers: scoring (each key loaded once for all of its kv head's
 // queries, the products summed 16 keys at a time; raw bfloat16 keys by vdpbf16ps where the CPU
-// has AVX512_BF16) and P.V (each value row widened in registers once and added into the sums of
-// a group of queries, which stay in registers across the chunk). csrc/decode_attention.cpp takes
+// has AVX512_BF16), each block of 16 scores then taken by an online softmax and P.V (each value
+// row widened in registers once and added into the sums of a group of queries). csrc/decode_attention.cpp takes
 // them where the compiler targets AVX-512 and its portable loops elsewhere; both compute in
 // float32 and the tests hold both to the oracle.
 #pragma once
@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include <c10/util/BFloat16.h>
@@ -142,10 +143,11 @@ struct RawBfloat16Keys {
 
 // scores[g * stride + j] = queries[g] . key_j for from <= j < to and g < queries_per_kv. Each key
 // is loaded once for all the queries (before(j) runs first: the prefetch); their products wait
-// unsummed in `partial` (queries_per_kv * 16 vectors) until 16 keys are summed at once.
-template <typename Keys, typename Before>
+// unsummed in `partial` (queries_per_kv * 16 vectors) until 16 keys are summed at once, and
+// after(block, count) takes each block's scores as soon as they are summed.
+template <typename Keys, typename Before, typename After>
 inline void score_keys(const Keys& keys, int64_t from, int64_t to, int64_t queries_per_kv, float* scores,
-                       int64_t stride, float* partial, Before before) {
+                       int64_t stride, float* partial, Before before, After after) {
   for (int64_t block = from; block < to; block += kLanes) {
     const int64_t count = std::min(kLanes, to - block);
     for (int64_t k = 0; k < count; ++k) {
@@ -162,6 +164,7 @@ inline void score_keys(const Keys& keys, int64_t from, int64_t to, int64_t queri
         products[slot] = _mm512_loadu_ps(partial + (g * kLanes + slot) * kLanes);
       _mm512_mask_storeu_ps(scores + g * stride + block, mask, sum_lanes(products));
     }
+    after(block, count);
   }
 }
 
@@ -200,35 +203,69 @@ inline void store_value(const __m512* sums, float* out) {
   }
 }
 
-// out[g] = sum_j weights[g * stride + j] value_j for g < group, j < keys (value_j: d elements after rows[j])
-template <int64_t d, typename Element, int64_t group>
-inline void sum_values(const void* const* rows, int64_t keys, const float* weights, int64_t stride, float* out) {
-  __m512 sums[group][d / kLanes];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d / kLanes; ++i) sums[g][i] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < keys; ++j) {
-    const Element* value = static_cast<const Element*>(rows[j]) + d;
-    __m512 row[d / kLanes];
-    load_value<d>(value, row);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 weight = _mm512_set1_ps(weights[g * stride + j]);
-      for (int64_t i = 0; i < d / kLanes; ++i) sums[g][i] = _mm512_fmadd_ps(weight, row[i], sums[g][i]);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) store_value<d, Element>(sums[g], out + g * d);
+// exp(x) for x <= 0 in 16 lanes (-inf giving 0): rope_kernels::exp_nonpositive's reduction and
+// polynomial in registers
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 exp_r = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), exp_r, _mm512_castsi512_ps(bits));
 }
 
-// sum_values for queries_per_kv queries, kValueGroup<d> at a time
+// A work item's softmax and P.V as its keys are scored, block by block (flash decoding): per
+// query the running max, the running sums of exp(score - max) (16 lanes) and the running sum
+// of weighted values (d floats, in load_value's order). Each value row is used just after its
+// key, so the memory is asked for rows through the whole item, where a softmax and P.V after
+// all of its scores asked for none while they ran (float32 decodes faster this way; bfloat16,
+// whose arithmetic takes about as long as its reads, the same: bench/decode_bandwidth.py).
+struct OnlineSoftmax {
+  float* maxima;  // [queries]
+  float* totals;  // [queries][16]
+  float* sums;    // [queries][d]
+};
+
+// weighted values of keys block .. block + count - 1 into the sums of `group` queries
+template <int64_t d, typename Element, int64_t group>
+inline void add_values(const void* const* rows, int64_t block, int64_t count, const float* weights, int64_t stride,
+                       float* sums) {
+  __m512 acc[group][d / kLanes];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d / kLanes; ++i) acc[g][i] = _mm512_loadu_ps(sums + g * d + kLanes * i);
+  for (int64_t k = 0; k < count; ++k) {
+    __m512 row[d / kLanes];
+    load_value<d>(static_cast<const Element*>(rows[block + k]) + d, row);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 weight = _mm512_set1_ps(weights[g * stride + block + k]);
+      for (int64_t i = 0; i < d / kLanes; ++i) acc[g][i] = _mm512_fmadd_ps(weight, row[i], acc[g][i]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d / kLanes; ++i) _mm512_storeu_ps(sums + g * d + kLanes * i, acc[g][i]);
+}
+
+// add_values for queries_per_kv queries, kValueGroup<d> at a time (query g's weights at g * stride, sums at g * d)
 template <int64_t d, typename Element>
-inline void sum_all_values(const void* const* rows, int64_t keys, const float* weights, int64_t stride,
-                           int64_t queries_per_kv, float* out) {
+inline void add_all_values(const void* const* rows, int64_t block, int64_t count, const float* weights,
+                           int64_t stride, int64_t queries_per_kv, float* sums) {
   for (int64_t g = 0; g < queries_per_kv; g += kValueGroup<d>) {
     const float* group_weights = weights + g * stride;
-    float* group_out = out + g * d;
+    float* group_sums = sums + g * d;
     switch (std::min(kValueGroup<d>, queries_per_kv - g)) {
-#define ROPE_VALUE_GROUP(N)                                                                      \
-  case N:                                                                                        \
-    if constexpr (N <= kValueGroup<d>) sum_values<d, Element, N>(rows, keys, group_weights, stride, group_out); \
+#define ROPE_VALUE_GROUP(N)                                                                          \
+  case N:                                                                                            \
+    if constexpr (N <= kValueGroup<d>)                                                               \
+      add_values<d, Element, N>(rows, block, count, group_weights, stride, group_sums);              \
     break;
       ROPE_VALUE_GROUP(1) ROPE_VALUE_GROUP(2) ROPE_VALUE_GROUP(3) ROPE_VALUE_GROUP(4)
       ROPE_VALUE_GROUP(5) ROPE_VALUE_GROUP(6) ROPE_VALUE_GROUP(7) ROPE_VALUE_GROUP(8)
@@ -236,6 +273,32 @@ inline void sum_all_values(const void* const* rows, int64_t keys, const float* w
       default: break;
     }
   }
+}
+
+// the scores of keys block .. block + count - 1 (count <= 16) into the online softmax: each
+// query's max moves up (what it has summed is rescaled), the scores become weights, and the
+// weighted values are added
+template <int64_t d, typename Element>
+inline void attend_block(const void* const* rows, int64_t block, int64_t count, float* scores, int64_t stride,
+                         int64_t queries_per_kv, const OnlineSoftmax& state) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < queries_per_kv; ++g) {
+    const __m512 score = _mm512_mask_loadu_ps(none, mask, scores + g * stride + block);
+    const float maximum = _mm512_reduce_max_ps(score);
+    float* total = state.totals + g * kLanes;
+    if (maximum > state.maxima[g]) {
+      const __m512 correction = exp_nonpositive16(_mm512_set1_ps(state.maxima[g] - maximum));
+      _mm512_storeu_ps(total, _mm512_mul_ps(correction, _mm512_loadu_ps(total)));
+      for (int64_t i = 0; i < d; i += kLanes)
+        _mm512_storeu_ps(state.sums + g * d + i, _mm512_mul_ps(correction, _mm512_loadu_ps(state.sums + g * d + i)));
+      state.maxima[g] = maximum;
+    }
+    const __m512 weight = exp_nonpositive16(_mm512_sub_ps(score, _mm512_set1_ps(state.maxima[g])));
+    _mm512_storeu_ps(total, _mm512_add_ps(weight, _mm512_loadu_ps(total)));
+    _mm512_mask_storeu_ps(scores + g * stride + block, mask, weight);
+  }
+  add_all_values<d, Element>(rows, block, count, scores, stride, queries_per_kv, state.sums);
 }
 
 }  // namespace rope_kernels::avx512
