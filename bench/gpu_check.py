@@ -103,7 +103,8 @@ def decoding_every_method(train_length: int, contexts: tuple[int, ...]) -> tuple
               dict(method="ntk_mixed", factor=4.0, log_n=True), dict(method="yarn", factor=4.0),
               dict(method="pi", factor=4.0), dict(method="ntk_old", factor=8.0),
               dict(method="ntk_fixed", factor=4.0, log_n=True), dict(method="none"),
-              dict(method="self_extend", window=window, group=8, log_n=True), dict(method="ntk_dynamic"))
+              dict(method="self_extend", window=window, group=8, log_n=True), dict(method="ntk_dynamic"),
+              dict(method="string"))
     assert len(contexts) == len(fields)
     return tuple((chosen, context, 1) for chosen, context in zip(fields, contexts))
 
@@ -121,8 +122,9 @@ REAL = Sizes(
         (dict(method="yarn", factor=4.0, log_n=True), 5000, 128),
         (dict(method="self_extend", window=1000, group=16), 4000, 256),
         (dict(method="ntk_dynamic", log_n=True), 4000, 256),  # its θ steps at 4096 and 4224
+        (dict(method="string", shift=1365, local=128), 3000, 256),
         # decode rows at several thousand keys
-        *decoding_every_method(4096, (8191, 6000, 7000, 5500, 4500, 3000, 6500, 2000, 7500, 5000)),
+        *decoding_every_method(4096, (8191, 6000, 7000, 5500, 4500, 3000, 6500, 2000, 7500, 5000, 6200)),
     ),
 )
 # Small enough for Triton's interpreter; decode splits of 32 keys so that rows span several.
@@ -135,7 +137,8 @@ SMALL = Sizes(
         (dict(method="ntk_mixed", factor=4.0), 20, 17),
         (dict(method="self_extend", window=12, group=4), 30, 20),
         (dict(method="ntk_dynamic", log_n=True), 50, 30),  # its θ steps at 64
-        *decoding_every_method(64, (130, 100, 90, 75, 70, 66, 110, 50, 120, 200)),
+        (dict(method="string", shift=21, local=5), 25, 30),
+        *decoding_every_method(64, (130, 100, 90, 75, 70, 66, 110, 50, 120, 200, 140)),
     ),
     query_tile=16, min_split_keys=32,
 )

@@ -44,6 +44,8 @@ class ServerConfig(BaseModel):
     leaky_k: float | None = Field(None, description="default Leaky ReRoPE slope divisor")
     beta: float | None = Field(None, description="default ntk_mixed exponent")
     group: int | None = Field(None, description="default Self-Extend group size")
+    shift: int | None = Field(None, description="default STRING shift (default: training length / 3)")
+    local: int | None = Field(None, description="default STRING local value (default: 128, at most shift / 2)")
     log_n: bool = Field(False, description="default log-n query scaling")
     dtype: str = Field("float32", description="model dtype (bfloat16 answers correctly too for the provisioned models)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
@@ -81,7 +83,7 @@ class ServerConfig(BaseModel):
     def extension_defaults(self) -> dict[str, Any]:
         """The request defaults given by the flags (``method`` may be 'auto')."""
         fields = {"method": self.method, "log_n": self.log_n}
-        for name in ("window", "factor", "leaky_k", "beta", "group"):
+        for name in ("window", "factor", "leaky_k", "beta", "group", "shift", "local"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         return fields

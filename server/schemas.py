@@ -95,6 +95,11 @@ class ContextExtension(BaseModel):
     beta: Annotated[float | None, SkipValidation, settings_field_schema("beta")] = None
     group: Annotated[int | None, SkipValidation, settings_field_schema(
         "group", description=f"Self-Extend's group size: one of {', '.join(map(str, SELF_EXTEND_GROUPS))}")] = None
+    shift: Annotated[int | None, SkipValidation, settings_field_schema(
+        "shift", description="STRING's shift S: relative positions from S on start again at local; smaller "
+                             "than train_length")] = None
+    local: Annotated[int | None, SkipValidation, settings_field_schema(
+        "local", description="STRING's local value W: where the shifted positions start; smaller than shift")] = None
     log_n: Annotated[bool | None, SkipValidation, settings_field_schema("log_n")] = None
     train_length: Annotated[int | None, SkipValidation, settings_field_schema(
         "train_length", description="at most the longer of the served context and the checkpoint's training "

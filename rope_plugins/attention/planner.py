@@ -56,7 +56,7 @@ class QueryPlan:
 
     scale: torch.Tensor  # log-n x the method's factor, float32
     near: Rotation  # m θ
-    far: Rotation  # (w + (m - w) ρ) θ; grouped: (⌊m/g⌋ + w - ⌊w/g⌋) θ
+    far: Rotation  # (o + (m - w) ρ) θ; grouped: (⌊m/g⌋ + w - ⌊w/g⌋) θ
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,7 @@ class KernelPlan:
     theta: torch.Tensor  # [R, d/2] float64
     window: torch.Tensor  # [R] int64
     leak: torch.Tensor  # [R] float64
+    far_origin: torch.Tensor  # [R] int64
     log_n_length: torch.Tensor  # [R] float64
     query_factor: torch.Tensor  # [R] float64
     group: torch.Tensor  # [R] int64
@@ -245,7 +246,8 @@ def kernel_plan(tables: RowTables, *, query_start_cpu: torch.Tensor, query_start
     return KernelPlan(
         num_actual_tokens=int(query_start_cpu[rows]), slot_mapping=slot_mapping, block_table=block_table,
         query_start=query_start[: rows + 1], seq_lens=seq_lens, theta=on_device(tables.theta),
-        window=on_device(tables.window), leak=on_device(tables.leak), log_n_length=on_device(tables.log_n_length),
+        window=on_device(tables.window), leak=on_device(tables.leak), far_origin=on_device(tables.far_origin),
+        log_n_length=on_device(tables.log_n_length),
         query_factor=on_device(tables.query_factor), group=on_device(tables.group), prefill_tiles=tiles,
         decode_rows=decode_rows)
 
@@ -297,13 +299,13 @@ def dynamic_sub_rows(tables: RowTables, starts: torch.Tensor, seq_lens: torch.Te
                    seq_lens=seq_lens_out, batch_row=batch_row)
 
 
-def far_query_positions(positions: torch.Tensor, window: torch.Tensor, leak: torch.Tensor,
+def far_query_positions(positions: torch.Tensor, window: torch.Tensor, leak: torch.Tensor, far_origin: torch.Tensor,
                         group: torch.Tensor) -> torch.Tensor:
     """Where each query (0-based ``positions``, int64) stands for its far keys, float64:
-    ``w + (m - w) ρ``; with positions grouped (``g > 0``, Self-Extend) ``⌊m/g⌋ + w - ⌊w/g⌋``."""
+    ``o + (m - w) ρ``; with positions grouped (``g > 0``, Self-Extend) ``⌊m/g⌋ + w - ⌊w/g⌋``."""
     groups = group.clamp(min=1)
     grouped = (positions // groups + window - window // groups).to(torch.float64)
-    return torch.where(group > 0, grouped, window + (positions - window) * leak)
+    return torch.where(group > 0, grouped, far_origin + (positions - window) * leak)
 
 
 def far_key_positions(positions: torch.Tensor, leak: float, group: int) -> torch.Tensor:
@@ -345,7 +347,7 @@ class StepPlanner:
         positions = (rows.seq_lens - query_lens)[token_row] + torch.arange(tokens) - rows.query_start[:-1][token_row]
         theta = rows.theta[token_row]  # [T, d/2]
         far_position = far_query_positions(positions, rows.window[token_row], rows.leak[token_row],
-                                           rows.group[token_row])
+                                           rows.far_origin[token_row], rows.group[token_row])
         scale = log_n_factor(positions, rows.log_n_length[token_row]) * rows.query_factor[token_row]
         return QueryPlan(scale=scale.float(),
                          near=Rotation.of((positions[:, None].double() * theta)[:, None]),

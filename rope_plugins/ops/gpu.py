@@ -1,10 +1,11 @@
 """The attention's Triton kernels on the pre-rotation paged cache (vLLM's CUDA build).
 
 Each row's rule comes as numbers, not tables (:class:`KernelPlan`): its frequencies ``θ``
-(float64), window ``w``, leak ``ρ``, Self-Extend's group ``g`` (far positions floored to
-groups; 0: none), log-n length and query factor. Angles are formed in float64 inside the
-kernels (position x θ, reduced to ``[-π, π]``) and only then cast, so positions far past
-training keep the float64 oracle's accuracy without a cos/sin table as large as the cache.
+(float64), window ``w``, leak ``ρ``, far origin ``o`` (``w`` but in STRING), Self-Extend's
+group ``g`` (far positions floored to groups; 0: none), log-n length and query factor. Angles
+are formed in float64 inside the kernels (position x θ, reduced to ``[-π, π]``) and only then
+cast, so positions far past training keep the float64 oracle's accuracy without a cos/sin
+table as large as the cache.
 The prefill turns a key tile by angle sums (:func:`rotate_tile`: the tile's first angle in
 float64, plus a per-program table of its offsets' angles), the decode each key by its own.
 
@@ -12,7 +13,7 @@ float64, plus a per-program table of its offsets' angles), the decode each key b
 - :func:`prefill`: one program per (query tile of a row, query head) walks the row's key
   tiles up to the causal edge. A tile wholly inside the window (``m - n < w`` for every pair)
   scores the query at ``m θ`` against keys rotated on load to ``n θ``; a tile wholly beyond
-  it scores the query at its far angle ``(w + (m - w) ρ) θ`` against keys read raw (ReRoPE)
+  it scores the query at its far angle ``(o + (m - w) ρ) θ`` against keys read raw (ReRoPE)
   or rotated to ``n ρ θ`` (grouped: ``(⌊m/g⌋ + w - ⌊w/g⌋) θ`` against ``⌊n/g⌋ θ``); a
   straddling tile computes both and picks per element. No log-sum-exp merge, one read of the keys.
 - :func:`decode`: split-K over the paged cache, one program per (decode row, KV head, split)
@@ -55,14 +56,14 @@ def load_pair(at, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def load_row_rule(row, theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,
-                  stride_theta, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Row ``row``'s rule as the kernels apply it: ``(θ [pairs] float64, window w, leak ρ,
-    Self-Extend's group g, log-n length L, query factor)``."""
+def load_row_rule(row, theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr,
+                  query_factor_ptr, stride_theta, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Row ``row``'s rule as the kernels apply it: ``(θ [pairs] float64, window w, leak ρ, far
+    origin o, Self-Extend's group g, log-n length L, query factor)``."""
     pairs = tl.arange(0, HALF_PAD)
     theta = tl.load(theta_ptr + row * stride_theta + pairs, mask=pairs < HALF, other=0.0)
-    return (theta, tl.load(window_ptr + row), tl.load(leak_ptr + row), tl.load(group_ptr + row),
-            tl.load(log_n_length_ptr + row), tl.load(query_factor_ptr + row))
+    return (theta, tl.load(window_ptr + row), tl.load(leak_ptr + row), tl.load(far_origin_ptr + row),
+            tl.load(group_ptr + row), tl.load(log_n_length_ptr + row), tl.load(query_factor_ptr + row))
 
 
 @triton.jit
@@ -104,11 +105,11 @@ def rotate_tile(first, second, first_position, theta, steps):
 
 
 @triton.jit
-def far_query_position(position, window, leak, group):
-    """Where a query stands for its far keys: ``w + (m - w) ρ``; grouped ``⌊m/g⌋ + w - ⌊w/g⌋``."""
+def far_query_position(position, window, leak, far_origin, group):
+    """Where a query stands for its far keys: ``o + (m - w) ρ``; grouped ``⌊m/g⌋ + w - ⌊w/g⌋``."""
     groups = tl.maximum(group, 1)
     grouped = (position // groups + window - window // groups).to(tl.float64)
-    return tl.where(group > 0, grouped, window + (position - window).to(tl.float64) * leak)
+    return tl.where(group > 0, grouped, far_origin + (position - window).to(tl.float64) * leak)
 
 
 @triton.jit
@@ -149,13 +150,14 @@ def query_scale(position, log_n_length, query_factor):
 def rotated_queries(query_at, mask, position, softmax_scale, rule, HALF: tl.constexpr, OPERAND: tl.constexpr):
     """Queries ``[rows, pairs]`` scaled (:func:`query_scale` x the softmax scale), each at its
     near angle ``m θ`` and its far angle, as pairs of ``OPERAND`` (the scores' operand type)."""
-    theta, window, leak, group, log_n_length, query_factor = rule
+    theta, window, leak, far_origin, group, log_n_length, query_factor = rule
     scale = query_scale(position, log_n_length, query_factor) * softmax_scale
     first, second = load_pair(query_at, mask, HALF)
     first = first.to(tl.float32) * scale[:, None]
     second = second.to(tl.float32) * scale[:, None]
     near_first, near_second = rotate_pair(first, second, position.to(tl.float64), theta)
-    far_first, far_second = rotate_pair(first, second, far_query_position(position, window, leak, group), theta)
+    far_position = far_query_position(position, window, leak, far_origin, group)
+    far_first, far_second = rotate_pair(first, second, far_position, theta)
     return (near_first.to(OPERAND), near_second.to(OPERAND)), (far_first.to(OPERAND), far_second.to(OPERAND))
 
 
@@ -202,7 +204,7 @@ def tile_scores(near_query, far_query, keys, first_key, key_position, distance, 
     against the keys rotated to ``n θ``, the others the far query against the far keys; each
     half computed only when some pair of the tile needs it (queries ``first_query .. last_query``).
     ``STEPS``: keys rotated by ``steps``, the near and far :func:`tile_steps` (:func:`rotate_tile`)."""
-    theta, window, leak, group, _, _ = rule
+    theta, window, leak, _, group, _, _ = rule
     near = distance < window
     scores = tl.zeros(distance.shape, tl.float32)
     last_key = first_key + key_position.shape[0] - 1
@@ -263,7 +265,7 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
     # Prefill rotates each key tile by angle sums (1.4x faster on an H200 at the same launch,
     # bench/results/gpu_kernel_speed_{key,tile}_angles.json);
     # decode, whose broadcast sums already fill the registers, forms each key's angle (the tables made it slower).
-    theta, _, leak, _, _, _ = rule
+    theta, _, leak, _, _, _, _ = rule
     if PREFILL:
         steps = tile_steps(theta, KEY_TILE), tile_steps(theta * leak, KEY_TILE)
     else:
@@ -331,7 +333,7 @@ def prefill_kernel(
     query_start_ptr, seq_lens_ptr,  # [R + 1], [R]
     tile_row_ptr, tile_start_ptr,  # [programs] each program's batch row, and its first query in the row's chunk
     # the row rule
-    theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,  # [R, d/2], [R] each
+    theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,  # [R, d/2], [R]
     # strides
     stride_ot, stride_oh, stride_qt, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_theta,
     # constexpr sizes
@@ -346,8 +348,8 @@ def prefill_kernel(
     query_start = tl.load(query_start_ptr + row)
     chunk = tl.load(query_start_ptr + row + 1) - query_start
     seq_len = tl.load(seq_lens_ptr + row)
-    rule = load_row_rule(row, theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,
-                         stride_theta, HALF, HALF_PAD)
+    rule = load_row_rule(row, theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr,
+                         query_factor_ptr, stride_theta, HALF, HALF_PAD)
 
     pairs = tl.arange(0, HALF_PAD)
     chunk_index = first_query + tl.arange(0, QUERY_TILE)
@@ -380,7 +382,7 @@ def decode_split_kernel(
     query_start_ptr, seq_lens_ptr,  # [R + 1], [R]
     decode_rows_ptr, split_keys,  # [Rd] the decode rows' batch rows; keys per split
     # the row rule
-    theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,  # [R, d/2], [R] each
+    theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,  # [R, d/2], [R]
     # strides
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_qt, stride_qh, stride_cb, stride_ch, stride_cs,
     stride_bt, stride_theta,
@@ -395,8 +397,8 @@ def decode_split_kernel(
     row = tl.load(decode_rows_ptr + decode_row)
     token = tl.load(query_start_ptr + row).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + row)
-    rule = load_row_rule(row, theta_ptr, window_ptr, leak_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,
-                         stride_theta, HALF, HALF_PAD)
+    rule = load_row_rule(row, theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr,
+                         query_factor_ptr, stride_theta, HALF, HALF_PAD)
 
     pairs = tl.arange(0, HALF_PAD)
     heads = kv_head * QUERIES_PER_KV + tl.arange(0, QUERIES_PER_KV_PAD)
@@ -487,7 +489,8 @@ def attention_arguments(query: torch.Tensor, kv_cache: torch.Tensor, plan: Kerne
     return dict(
         query_ptr=query, cache_ptr=kv_cache, block_table_ptr=plan.block_table,
         query_start_ptr=plan.query_start, seq_lens_ptr=plan.seq_lens,
-        theta_ptr=plan.theta, window_ptr=plan.window, leak_ptr=plan.leak, group_ptr=plan.group,
+        theta_ptr=plan.theta, window_ptr=plan.window, leak_ptr=plan.leak, far_origin_ptr=plan.far_origin,
+        group_ptr=plan.group,
         log_n_length_ptr=plan.log_n_length, query_factor_ptr=plan.query_factor,
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_cb=kv_cache.stride(0),
         stride_ch=kv_cache.stride(1), stride_cs=kv_cache.stride(2), stride_bt=plan.block_table.stride(0),

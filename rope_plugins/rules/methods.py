@@ -2,8 +2,10 @@
 
 Each method is one general rule (DESIGN.md): the query at position ``m`` scores the key at
 ``n`` at the relative position ``r = m - n`` when ``r < w`` (the near window), and beyond it
-at ``w + (r - w) ρ``, which is the far query at position ``w + (m - w) ρ`` against the far key
-at ``n ρ``; with the method's frequencies ``θ`` and a factor on the query. Frequency methods
+at ``o + (r - w) ρ``, which is the far query at position ``o + (m - w) ρ`` against the far key
+at ``n ρ``; with the method's frequencies ``θ`` and a factor on the query. The far positions
+start where the near ones end (``o = w``) but in STRING, which moves them down to start at its
+local value (``w = S``, ``o = W``, ``ρ = 1``: ``r`` below ``S``, else ``r - S + W``). Frequency methods
 have no window (``w = 0, ρ = 1``) and change ``θ``; ReRoPE has ``ρ = 0`` (old keys read raw
 against one pre-rotated query) and Leaky ReRoPE ``ρ = 1/k``. Self-Extend (LongLM) groups
 positions: ``ρ = 1/g`` with each far position floored to its group, the far query at
@@ -59,6 +61,10 @@ def _full_leak(settings: ExtensionSettings) -> float:
     return 1.0
 
 
+def _far_from_window(settings: ExtensionSettings) -> int | None:
+    return None  # o = w
+
+
 def _unit_query_factor(settings: ExtensionSettings) -> float:
     return 1.0
 
@@ -81,6 +87,8 @@ class ExtensionMethod:
     frequencies: Callable[[ExtensionSettings, int, float], torch.Tensor] = _plain_frequencies
     window: Callable[[ExtensionSettings], int] = _no_window  # w: keys closer than this score plain RoPE
     leak: Callable[[ExtensionSettings], float] = _full_leak  # ρ: how far positions advance beyond w
+    # o: where the far relative positions start; None: at the window (o = w)
+    far_origin: Callable[[ExtensionSettings], int | None] = _far_from_window
     query_factor: Callable[[ExtensionSettings], float] = _unit_query_factor  # on every query (before log-n)
     # g: far positions floored to whole groups of g (then ρ = 1/g); 0 keeps them continuous
     group: Callable[[ExtensionSettings], int] = _ungrouped
@@ -106,6 +114,8 @@ METHODS: dict[str, ExtensionMethod] = {method.name: method for method in (
                     group=lambda s: s.group),
     # its θ here is plain RoPE's, the factor 1 of every query within training
     ExtensionMethod("ntk_dynamic", ("train_length",), dynamic_exponent=lambda s, d: ntk_dynamic_exponent(d)),
+    # STRING: relative positions from the shift S on start again at the local value W
+    ExtensionMethod("string", ("shift", "local"), window=lambda s: s.shift, far_origin=lambda s: s.local),
 )}
 
 

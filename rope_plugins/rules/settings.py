@@ -56,6 +56,8 @@ MAX_LEAKY_K = 65536.0
 # kernel's far-angle walk (csrc/decode_attention.cpp) holds whole groups and its split of a
 # key's angle into step + offset stays exact.
 SELF_EXTEND_GROUPS = (1, 2, 4, 8, 16, 32, 64)
+# STRING's default local value W (its paper's 128), at most half of the shift on short models
+STRING_LOCAL = 128
 # ntk_dynamic sizes its factor to the tokens seen rounded up to a step of this many past the
 # training length: the rotation changes every 128 positions rather than at every one, so a
 # prompt chunk splits into a few rows of one rotation each (planner.dynamic_sub_rows)
@@ -83,6 +85,8 @@ class ExtensionSettings(BaseModel):
     length); ``window`` (w) and ``leaky_k`` belong to ReRoPE / Leaky ReRoPE; ``beta`` to
     ntk_mixed; ``log_n`` multiplies each query by max(1, log(n) / log(train_length)).
     ``window`` defaults to a quarter of ``train_length`` (the seed's best range is 1/4..1/2).
+    ``shift`` (S) and ``local`` (W) belong to STRING: relative positions from S on are moved
+    down to start at W; S defaults to a third of ``train_length`` and W to 128 (at most S / 2).
     """
 
     # every number bounded and finite: a request's values end up in the worker's tensors
@@ -95,15 +99,28 @@ class ExtensionSettings(BaseModel):
     leaky_k: float = Field(16.0, ge=1.0, le=MAX_LEAKY_K)
     beta: float = Field(0.625, ge=0.0, le=1.0)
     group: int = Field(8, ge=1, le=SELF_EXTEND_GROUPS[-1])
+    shift: int | None = Field(None, gt=0, le=MAX_POSITIONS)
+    local: int | None = Field(None, ge=0, le=MAX_POSITIONS)
     log_n: StrictBool = False
 
-    @field_validator("window")
+    @field_validator("window", "shift")
     @classmethod
-    def _window_inside_training(cls, window: int | None, info: ValidationInfo) -> int | None:
+    def _inside_training(cls, value: int | None, info: ValidationInfo) -> int | None:
         train_length = info.data.get("train_length")  # absent when it failed its own check
-        if window is not None and train_length is not None and window >= train_length:
-            raise ValueError(f"must be smaller than train_length ({train_length}), got {window}")
-        return window
+        if value is not None and train_length is not None and value >= train_length:
+            raise ValueError(f"must be smaller than train_length ({train_length}), got {value}")
+        return value
+
+    @field_validator("local")
+    @classmethod
+    def _local_below_shift(cls, local: int | None, info: ValidationInfo) -> int | None:
+        # far positions moved to start at W or later than where they were would not move them down
+        shift, train_length = info.data.get("shift"), info.data.get("train_length")
+        if shift is None and train_length is not None and "shift" in info.data:
+            shift = max(1, train_length // 3)  # its default
+        if local is not None and shift is not None and local >= shift:
+            raise ValueError(f"must be smaller than shift ({shift}), got {local}")
+        return local
 
     @field_validator("group")
     @classmethod
@@ -113,9 +130,13 @@ class ExtensionSettings(BaseModel):
         return group
 
     @model_validator(mode="after")
-    def _default_window(self) -> "ExtensionSettings":
+    def _default_lengths(self) -> "ExtensionSettings":
         if self.window is None:
             object.__setattr__(self, "window", max(1, self.train_length // 4))
+        if self.shift is None:
+            object.__setattr__(self, "shift", max(1, self.train_length // 3))
+        if self.local is None:
+            object.__setattr__(self, "local", min(STRING_LOCAL, self.shift // 2))
         return self
 
     def canonical(self) -> dict[str, Any]:
@@ -153,8 +174,12 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
     if not isinstance(fields, dict):
         raise SettingsError("", f"must be an object, got {type(fields).__name__}")
     merged = defaults.model_dump()
-    if "train_length" in fields and "window" not in fields:
-        merged["window"] = None  # the default window is a quarter of the new train_length
+    # a length derived by default follows what it is derived from: the window and the shift
+    # the new train_length, the local value the new shift
+    derived = {"window": ("train_length",), "shift": ("train_length",), "local": ("train_length", "shift")}
+    for name, sources in derived.items():
+        if name not in fields and any(source in fields for source in sources):
+            merged[name] = None
     merged.update(fields)
     try:
         return ExtensionSettings.model_validate(merged)

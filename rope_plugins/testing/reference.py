@@ -10,7 +10,8 @@ equations for the NTK variants (seed 000, ``θ_m`` with ``m = 1 .. d/2``), posit
 interpolation's ``θ / k``, YaRN's NTK-by-parts as its reference code defines it (the ramp
 between the correction dimensions of 32 and 1 rotations) with the temperature
 ``sqrt(1/t) = 0.1 ln s + 1``, ReRoPE's and Leaky ReRoPE's positions (seed 003), Self-Extend's
-grouped positions (LongLM, Algorithm 1), dynamic NTK's base at each query's length
+grouped positions (LongLM, Algorithm 1), STRING's shifted positions (An et al., ICLR 2025,
+HKUNLP/STRING), dynamic NTK's base at each query's length
 (transformers' "dynamic" rope), log-n's ``max(1, log_L n)``; the rotation is the
 complex product. The tests compare PI and YaRN with transformers' own rope initialisation too.
 """
@@ -143,7 +144,8 @@ def oracle_relative_position(settings: ExtensionSettings, query_position: torch.
     """Seed 003: ReRoPE scores ``min(r, w)`` of ``r = m - n``; Leaky ReRoPE ``r`` below ``w`` and
     ``w + (r - w) / k`` from it. LongLM's Self-Extend: neighbours (``r < w``) at ``r``, the rest
     as the grouped query position ``m // g + w - w // g`` minus the grouped key position ``n // g``.
-    Every other method the true ``r``. Positions broadcast; returns float64."""
+    STRING: ``r`` below its shift ``S``, else ``r - S + W`` (its local value). Every other method
+    the true ``r``. Positions broadcast; returns float64."""
     distance = (query_position - key_position).double()
     if settings.method == "self_extend":
         g, w = settings.group, settings.window
@@ -154,6 +156,8 @@ def oracle_relative_position(settings: ExtensionSettings, query_position: torch.
     if settings.method == "leaky_rerope":
         return torch.where(distance < settings.window, distance,
                            settings.window + (distance - settings.window) / settings.leaky_k)
+    if settings.method == "string":
+        return torch.where(distance < settings.shift, distance, distance - settings.shift + settings.local)
     return distance
 
 

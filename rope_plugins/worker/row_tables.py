@@ -22,6 +22,7 @@ class RowValues:
     theta: torch.Tensor  # [d/2] float64
     window: int  # w; 0 for the frequency methods
     leak: float  # ρ: 0 ReRoPE, 1/k Leaky ReRoPE, 1 the frequency methods
+    far_origin: int  # o: far relative positions are o + (r - w) ρ; w but in STRING (its local value)
     log_n_length: float  # the training length log-n divides by; 0 when log-n is off
     query_factor: float  # on the query: the method's own (YaRN's temperature) x the checkpoint's
     group: int  # g: far positions floored to groups of g (Self-Extend); 0 keeps them continuous
@@ -32,7 +33,9 @@ class RowValues:
 def row_values(settings: ExtensionSettings, rotary: CheckpointRotary) -> RowValues:
     method = method_of(settings)
     exponent = method.dynamic_exponent(settings, rotary.head_dim)
-    return RowValues(theta=inv_freq(settings, rotary), window=method.window(settings), leak=method.leak(settings),
+    window, far_origin = method.window(settings), method.far_origin(settings)
+    return RowValues(theta=inv_freq(settings, rotary), window=window, leak=method.leak(settings),
+                     far_origin=window if far_origin is None else far_origin,
                      log_n_length=float(settings.train_length) if settings.log_n else 0.0,
                      query_factor=method.query_factor(settings) * rotary.attention_factor**2,
                      group=method.group(settings), dynamic_length=settings.train_length if exponent is not None else 0,
@@ -58,6 +61,7 @@ class RowTables:
         self.theta = torch.zeros(rows, pairs, dtype=torch.float64)
         self.window = torch.zeros(rows, dtype=torch.int64)
         self.leak = torch.ones(rows, dtype=torch.float64)
+        self.far_origin = torch.zeros(rows, dtype=torch.int64)
         self.log_n_length = torch.zeros(rows, dtype=torch.float64)
         self.query_factor = torch.ones(rows, dtype=torch.float64)
         self.group = torch.zeros(rows, dtype=torch.int64)
@@ -66,7 +70,7 @@ class RowTables:
 
     def _tables(self) -> tuple[torch.Tensor, ...]:
         # in RowValues' order
-        return (self.theta, self.window, self.leak, self.log_n_length, self.query_factor, self.group,
+        return (self.theta, self.window, self.leak, self.far_origin, self.log_n_length, self.query_factor, self.group,
                 self.dynamic_length, self.theta_exponent)
 
     def write(self, row: int, values: RowValues) -> None:
@@ -84,6 +88,6 @@ class RowTables:
     def gather(self, rows: torch.Tensor) -> RowTables:
         """A copy holding ``rows``, in that order."""
         taken = copy.copy(self)
-        (taken.theta, taken.window, taken.leak, taken.log_n_length, taken.query_factor, taken.group,
+        (taken.theta, taken.window, taken.leak, taken.far_origin, taken.log_n_length, taken.query_factor, taken.group,
          taken.dynamic_length, taken.theta_exponent) = (table[rows] for table in self._tables())
         return taken

@@ -57,6 +57,12 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     # each path puts that key on shows
     (ExtensionSettings(method="self_extend", window=10, group=4, train_length=TRAIN), 20, 30),
     (ExtensionSettings(method="self_extend", window=13, group=8, train_length=TRAIN), 400, 1),
+    # STRING: the band to the shift at true positions, the far keys at theirs against the query
+    # moved back by shift - local; decode past a 512-key chunk, prefill from a cached context and
+    # from the start, a local value of 0
+    (ExtensionSettings(method="string", shift=21, local=5, log_n=True, train_length=TRAIN), 600, 1),
+    (ExtensionSettings(method="string", shift=30, local=12, train_length=TRAIN), 40, 60),
+    (ExtensionSettings(method="string", shift=9, local=0, train_length=TRAIN), 0, 80),
     # ntk_dynamic: θ steps at TRAIN + j DYNAMIC_STEP (64, 192, 320, ...): a prompt across three
     # steps, a chunk across one, a one-query piece at a step, decode inside training, in a step,
     # and past a 512-key chunk

@@ -116,6 +116,13 @@ def test_a_kernel_given_a_wrong_group_fails_only_the_grouped_rows(monkeypatch):
     assert not passed and wrong == {"self_extend"}
 
 
+def test_a_kernel_whose_far_positions_start_at_the_window_fails_only_string(monkeypatch):
+    """The plan's far origin o set to the window w (where every other method has it): only
+    STRING's rows, whose far positions start again at its local value, are wrong."""
+    passed, wrong = rows_wrong_under(monkeypatch, lambda plan: dataclasses.replace(plan, far_origin=plan.window))
+    assert not passed and wrong == {"string"}
+
+
 def test_a_dynamic_factor_that_never_steps_fails_only_its_rows(monkeypatch):
     """ntk_dynamic sized to the training length at every position (factor 1, plain RoPE's θ):
     only its rows, which run past training, are wrong."""

@@ -39,6 +39,9 @@ METHODS = [
     # θ steps at 256 + 128 j: a 600-token prompt runs under four
     {"method": "ntk_dynamic"},
     {"method": "ntk_dynamic", "log_n": True},
+    # STRING: the default shift (256 / 3) and local value, and a wider shift with log-n
+    {"method": "string"},
+    {"method": "string", "shift": 100, "local": 20, "log_n": True},
 ]
 
 
@@ -128,7 +131,7 @@ def test_all_methods_mixed_in_one_batch(full_engine, reference_model, engine_def
 
 
 def test_chunked_prefill_matches_one_full_prefill(full_engine, chunked_engine, reference_model, engine_defaults):
-    chosen = [METHODS[0], METHODS[5], METHODS[8], METHODS[9], METHODS[12], METHODS[14], METHODS[16]]
+    chosen = [METHODS[0], METHODS[5], METHODS[8], METHODS[9], METHODS[12], METHODS[14], METHODS[16], METHODS[18]]
     requests = [(prompt(200 + i), fields) for i, fields in enumerate(chosen)]
     chunked = run(chunked_engine, requests, engine_defaults)
     full = run(full_engine, requests, engine_defaults)
@@ -311,7 +314,7 @@ def test_the_worker_computes_on_every_core(full_engine):
 
 
 BF16_METHODS = [fields for fields in METHODS if fields["method"] in ("none", "rerope", "leaky_rerope", "ntk_mixed",
-                                                                     "yarn", "self_extend")]
+                                                                     "yarn", "self_extend", "string")]
 
 
 def oracle_error(result: Generation, ids, fields, reference_model, defaults) -> float:

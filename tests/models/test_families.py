@@ -22,7 +22,8 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 MIXED = [{"method": "none"}, {"method": "rerope", "window": 37}, {"method": "leaky_rerope", "window": 50},
          {"method": "ntk_mixed", "factor": 4.0, "log_n": True}, {"method": "yarn", "factor": 4.0},
          {"method": "pi", "factor": 2.0}, {"method": "ntk_old", "factor": 4.0}, {"method": "ntk_fixed", "factor": 3.0},
-         {"method": "self_extend", "window": 40, "group": 4}, {"method": "ntk_dynamic"}]
+         {"method": "self_extend", "window": 40, "group": 4}, {"method": "ntk_dynamic"},
+         {"method": "string", "shift": 90, "local": 10}]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -25,7 +25,8 @@ from tests.support.v2_harness import v2_engine as start_v2_engine
 ATTENTION_OPS = ["cpu", "triton"]
 MIXED = [{"method": "rerope", "window": 37}, {"method": "leaky_rerope", "window": 50, "leaky_k": 3.0, "log_n": True},
          {"method": "yarn", "factor": 4.0}, {"method": "ntk_mixed", "factor": 4.0}, {"method": "none"},
-         {"method": "self_extend", "window": 40, "group": 4}, {"method": "ntk_dynamic", "log_n": True}]
+         {"method": "self_extend", "window": 40, "group": 4}, {"method": "ntk_dynamic", "log_n": True},
+         {"method": "string", "shift": 90, "local": 10}]
 
 
 @pytest.fixture(scope="module", params=ATTENTION_OPS)

@@ -22,7 +22,7 @@ from rope_plugins.rules.settings import METHOD_NAMES, ExtensionSettings
 from tests.attention.test_attention import TRAIN, paged_step
 
 WINDOWED = {"rerope": dict(window=37), "leaky_rerope": dict(window=20, leaky_k=4.0),
-            "self_extend": dict(window=20, group=4)}
+            "self_extend": dict(window=20, group=4), "string": dict(shift=25, local=6)}
 FACTORS = {"pi": 4.0, "ntk_old": 8.0, "ntk_fixed": 4.0, "ntk_mixed": 4.0, "yarn": 4.0}
 
 
@@ -52,6 +52,7 @@ MIXED_ROWS = [
     (settings("leaky_rerope", False, window=24, leaky_k=8.0), 100, 1),
     (settings("none", False), 0, 18),
     (settings("self_extend", True, window=12, group=8), 40, 30),
+    (settings("string", False, shift=19, local=3), 25, 30),
     # ntk_dynamic's θ steps at 64 and 192 inside these chunks: cut into rows of one θ each
     (settings("ntk_dynamic", True), 0, 70),
     (settings("ntk_dynamic", False), 170, 40),

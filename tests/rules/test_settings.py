@@ -117,3 +117,38 @@ def test_self_extend_hash_covers_window_and_group_only():
     assert base.canonical_hash() != parse_settings({"method": "self_extend", "group": 8}, DEFAULTS).canonical_hash()
     assert base.canonical_hash() == parse_settings({"method": "self_extend", "group": 4, "leaky_k": 3.0},
                                                    DEFAULTS).canonical_hash()
+
+
+def test_string_defaults_follow_what_they_derive_from():
+    """S a third of the training length, W 128 or at most half of S; each recomputed when what
+    it derives from is given and it is not."""
+    assert (DEFAULTS.shift, DEFAULTS.local) == (2730, 128)
+    shorter = parse_settings({"train_length": 300}, DEFAULTS)
+    assert (shorter.shift, shorter.local) == (100, 50)
+    assert parse_settings({"shift": 100}, DEFAULTS).local == 50
+    assert parse_settings({"shift": 100, "local": 7}, DEFAULTS).local == 7
+    assert parse_settings({"train_length": 4096, "local": 0}, DEFAULTS).shift == 1365
+
+
+@pytest.mark.parametrize("fields,field,words", [
+    ({"shift": 8192}, "shift", "smaller than train_length (8192)"),
+    ({"shift": 0}, "shift", "greater than 0"),
+    ({"local": 2730}, "local", "smaller than shift (2730)"),
+    ({"shift": 100, "local": 100}, "local", "smaller than shift (100)"),
+    ({"train_length": 300, "local": 100}, "local", "smaller than shift (100)"),
+    ({"local": -1}, "local", "greater than or equal to 0"),
+    ({"shift": 1.5}, "shift", "valid integer"),
+])
+def test_bad_string_fields_name_themselves(fields, field, words):
+    with pytest.raises(SettingsError) as error:
+        parse_settings({"method": "string", **fields}, DEFAULTS)
+    assert error.value.field == field and words in error.value.reason
+
+
+def test_string_hash_covers_shift_and_local_only():
+    base = parse_settings({"method": "string", "shift": 1000}, DEFAULTS)
+    assert base.canonical() == {"method": "string", "shift": 1000, "local": 128}
+    assert base.canonical_hash() != parse_settings({"method": "string", "shift": 1000, "local": 64},
+                                                   DEFAULTS).canonical_hash()
+    assert base.canonical_hash() == parse_settings({"method": "string", "shift": 1000, "window": 77},
+                                                   DEFAULTS).canonical_hash()

@@ -518,6 +518,8 @@ def post(server, path, body, key=API_KEY):
     ({"method": "rerope", "colour": 1}, "context_extension.colour"),
     ({"method": "pi", "factor": "AUTO"}, "context_extension.factor"),
     ({"method": "self_extend", "group": 3}, "context_extension.group"),
+    ({"method": "string", "shift": 9000}, "context_extension.shift"),
+    ({"method": "string", "shift": 100, "local": 100}, "context_extension.local"),
 ])
 def test_bad_extension_field_is_a_400_naming_it(server, client, extension, param):
     with Concurrently(client):

@@ -104,30 +104,37 @@ def test_rerope_by_hand_three_tokens():
     assert out[0, 0].tolist() == pytest.approx([1.0, 0.0])  # the first token sees only itself
 
 
-def longlm_self_extend(q, k, v, *, window, group, base=BASE):
-    """Self-Extend as LongLM's reference code computes it (self_extend_patch/Llama.py, prefill,
-    bsz 1): q and k rotated twice, the neighbour pair by their own positions, the grouped pair by
-    ``m // g + w - w // g`` and ``n // g``; two full score matrices, the neighbour one kept where
-    ``0 <= m - n < w``. Written from that definition, sharing nothing with the oracle's code."""
+def two_position_attention(q, k, v, *, near_below, far_query, far_key, base=BASE):
+    """Causal float64 attention as LongLM's and HKUNLP's reference code compute their methods
+    (prefill, bsz 1): two full score matrices, one of q and k rotated by their own positions,
+    kept where ``0 <= m - n < near_below``, one of q rotated by ``far_query(m)`` and k by
+    ``far_key(n)`` for the rest. Rotations in rotate_half style, as transformers' Llama does;
+    nothing shared with the oracle's code."""
     seq_len, heads, d = q.shape
     group_of_heads = heads // k.shape[1]
     theta = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
 
-    def rotated(x, positions):  # rotate_half style, as transformers' Llama does
+    def rotated(x, positions):
         angle = torch.cat((positions[:, None] * theta, positions[:, None] * theta), dim=-1)[:, None, :]
         halves = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
         return x * angle.cos() + halves * angle.sin()
 
     position = torch.arange(seq_len, dtype=torch.float64)
-    group_query = torch.div(position, group, rounding_mode="floor") + window - window // group
-    group_key = torch.div(position, group, rounding_mode="floor")
     k, v = k.repeat_interleave(group_of_heads, dim=1), v.repeat_interleave(group_of_heads, dim=1)
-    neighbour = torch.einsum("mhd,nhd->hmn", rotated(q, position), rotated(k, position))
-    grouped = torch.einsum("mhd,nhd->hmn", rotated(q, group_query), rotated(k, group_key))
+    near = torch.einsum("mhd,nhd->hmn", rotated(q, position), rotated(k, position))
+    far = torch.einsum("mhd,nhd->hmn", rotated(q, far_query(position)), rotated(k, far_key(position)))
     distance = position[:, None] - position[None, :]
-    scores = torch.where(distance < window, neighbour, grouped) / math.sqrt(d)
+    scores = torch.where(distance < near_below, near, far) / math.sqrt(d)
     scores = scores.masked_fill(distance < 0, float("-inf"))
     return torch.einsum("hmn,nhd->mhd", scores.softmax(dim=-1), v)
+
+
+def longlm_self_extend(q, k, v, *, window, group):
+    """Self-Extend as LongLM's reference code computes it (self_extend_patch/Llama.py): the
+    neighbour pair by their own positions, the grouped pair by ``m // g + w - w // g`` and ``n // g``."""
+    grouped = lambda position: torch.div(position, group, rounding_mode="floor")  # noqa: E731
+    return two_position_attention(q, k, v, near_below=window, far_key=grouped,
+                                  far_query=lambda position: grouped(position) + window - window // group)
 
 
 @pytest.mark.parametrize("window,group", [(6, 4), (5, 2), (7, 8), (1, 16)])
@@ -157,13 +164,39 @@ def test_self_extend_positions_by_hand():
     assert got.tolist() == [10.0, 5.0, 7.0, 0.0]
 
 
-@pytest.mark.parametrize("method", ["rerope", "leaky_rerope", "yarn", "self_extend"])
+def hkunlp_string(q, k, v, *, shift, local):
+    """STRING as HKUNLP/STRING describes it: the same keys (at their own positions) against each
+    query at its own position for the pairs closer than the shift ``S``, and moved back to
+    ``m - S + W`` for the rest (relative positions from ``S`` on start again at the local value ``W``)."""
+    return two_position_attention(q, k, v, near_below=shift, far_query=lambda position: position - shift + local,
+                                  far_key=lambda position: position)
+
+
+@pytest.mark.parametrize("shift,local", [(20, 5), (13, 0), (7, 6), (1, 0)])
+def test_string_is_hkunlps_definition(shift, local):
+    q, k, v = random_qkv(seq_len=60)
+    expected = hkunlp_string(q, k, v, shift=shift, local=local)
+    assert torch.allclose(oracle("string", q, k, v, shift=shift, local=local), expected, atol=1e-12)
+
+
+def test_string_limits_and_positions_by_hand():
+    """A shift past the sequence is plain RoPE; shift 8, local 3: the query at 20 sees key 15
+    (distance 5) at 5, key 12 (distance 8) at 3, key 0 at 20 - 8 + 3 = 15."""
+    q, k, v = random_qkv(seq_len=40)
+    assert torch.allclose(oracle("string", q, k, v, shift=40, local=3), oracle("none", q, k, v), atol=1e-12)
+    assert not torch.allclose(oracle("string", q, k, v, shift=8, local=3), oracle("none", q, k, v), atol=1e-6)
+    settings = ExtensionSettings(method="string", shift=8, local=3, train_length=64)
+    got = oracle_relative_position(settings, torch.tensor(20), torch.tensor([15, 12, 0, 20]))
+    assert got.tolist() == [5.0, 3.0, 15.0, 0.0]
+
+
+@pytest.mark.parametrize("method", ["rerope", "leaky_rerope", "yarn", "self_extend", "string"])
 def test_chosen_query_rows_are_those_rows_of_the_whole_answer(method):
     """``query_rows``: only those rows computed (in any order, chunked), each equal to its row
     of the whole sequence's answer; the keys are still every earlier one."""
     q, k, v = random_qkv(seq_len=50)
     fields = {"rerope": dict(window=7), "leaky_rerope": dict(window=5, leaky_k=3.0), "yarn": dict(factor=4.0),
-              "self_extend": dict(window=6, group=4)}[method]
+              "self_extend": dict(window=6, group=4), "string": dict(shift=9, local=2)}[method]
     settings = ExtensionSettings(method=method, log_n=True, train_length=16, **fields)
     whole = reference_attention(q, k, v, settings, base=BASE)
     rows = torch.tensor([49, 0, 17, 48, 30])
