@@ -64,6 +64,11 @@ STRING_LOCAL = 128
 DYNAMIC_STEP = 128
 
 
+def default_shift(train_length: int) -> int:
+    """STRING's default shift S: a third of the training length (its paper's)."""
+    return max(1, train_length // 3)
+
+
 class SettingsError(ValueError):
     """A bad extension setting: ``field`` names it, ``reason`` says why."""
 
@@ -117,7 +122,7 @@ class ExtensionSettings(BaseModel):
         # far positions moved to start at W or later than where they were would not move them down
         shift, train_length = info.data.get("shift"), info.data.get("train_length")
         if shift is None and train_length is not None and "shift" in info.data:
-            shift = max(1, train_length // 3)  # its default
+            shift = default_shift(train_length)
         if local is not None and shift is not None and local >= shift:
             raise ValueError(f"must be smaller than shift ({shift}), got {local}")
         return local
@@ -134,7 +139,7 @@ class ExtensionSettings(BaseModel):
         if self.window is None:
             object.__setattr__(self, "window", max(1, self.train_length // 4))
         if self.shift is None:
-            object.__setattr__(self, "shift", max(1, self.train_length // 3))
+            object.__setattr__(self, "shift", default_shift(self.train_length))
         if self.local is None:
             object.__setattr__(self, "local", min(STRING_LOCAL, self.shift // 2))
         return self
