@@ -216,14 +216,22 @@ def test_the_default_model_cuts_digits_off_as_its_gguf_declares():
 
 
 @pytest.mark.slow
-def test_the_default_model_tokenizes_as_llama_cpp():
+@pytest.mark.parametrize("name", [
+    DEFAULT_MODEL,
+    QWEN25_CODER.name,  # its "qwen2" split transformers' loader builds itself
+    pytest.param(GEMMA3.name, marks=pytest.mark.xfail(strict=True, reason=(
+        "runs of over 16 spaces: transformers' merges from the GGUF split 33 as 16 + 17, llama.cpp's "
+        "scores as 31 + 2 (7 of these texts); not a pre-tokenizer, and which one Gemma was trained "
+        "with cannot be checked offline"))),
+])
+def test_a_provisioned_model_tokenizes_as_llama_cpp(name):
     """The provisioned tokenizer against llama.cpp's own on the GGUF it came from (the llama-cpp
-    extra: skipped without it). Under the bare regex 21 of these 87 texts split differently."""
+    extra: skipped without it). Under the bare regex 21 of these 87 texts split differently for SmolLM2."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(prov.provision(DEFAULT_MODEL))
-    vocab = llama_cpp.Llama(model_path=str(prov.provision_gguf(DEFAULT_MODEL)), vocab_only=True, verbose=False)
+    tokenizer = AutoTokenizer.from_pretrained(prov.provision(name))
+    vocab = llama_cpp.Llama(model_path=str(prov.provision_gguf(name)), vocab_only=True, verbose=False)
     try:
         for text in tokenizer_corpus():
             assert tokenizer.encode(text, add_special_tokens=False) == vocab.tokenize(
