@@ -257,6 +257,7 @@ class Evaluator:
         self.tokens = self.tokenize(text[: 400_000])
         self.filler = self.tokenize(FILLER * 4000)
         self.runs = runs
+        self.split = tokenizer_split()
 
     def tokenize(self, text: str) -> list[int]:
         response = self.http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
@@ -269,7 +270,7 @@ class Evaluator:
         began = time.perf_counter()
         values = getattr(self, test)(settings, length, *passkey_at)
         record = {"test": test, "label": key[1], "settings": settings, "length": length, "sample": key[3],
-                  **values, "seconds": round(time.perf_counter() - began, 1),
+                  **values, "tokenizer": self.split, "seconds": round(time.perf_counter() - began, 1),
                   "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         with self.runs.open("a") as out:
             out.write(json.dumps(record) + "\n")
@@ -609,8 +610,9 @@ def markdown_report(report: dict) -> str:
     else:
         # A complete grid still has dashes: log_n's repeat and passkey within training are not planned (identity there).
         extent = f"all {planned} planned measurements" + (", `-` where not planned" if "| - |" in tables else "")
-    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, corpus `{report['corpus']}`): "
-            f"{extent}.\n\n" + tables).rstrip("\n")
+    tokenizer = f", tokenizer {report['tokenizer']}" if report.get("tokenizer") else ""
+    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, corpus `{report['corpus']}`"
+            f"{tokenizer}): {extent}.\n\n" + tables).rstrip("\n")
 
 
 def length_name(n: int) -> str:
@@ -640,24 +642,28 @@ def past_training(losses: dict[tuple, float], labels: list[str], train: int, lon
     at = {name: losses[(name, longest)] for name in labels if (name, longest) in losses}
     best = ", ".join(f"`{name}` {value:.3f} ({value - losses[(name, train)]:+.3f})"
                      for name, value in ranked(at, 3).items())
+    lines = [f"Lowest loss at {length_name(longest)} (in brackets: the change from {length_name(train)}): {best}; "
+             f"plain RoPE {at['none']:.3f} ({at['none'] - losses[('none', train)]:+.3f})."]
     past = [n for n in sorted({n for _, n in losses}) if n > train and ("rerope", n) in losses]
+    if not past or ("rerope", train) not in losses:  # a partial grid without ReRoPE's rows
+        return lines
     rises = [losses[("rerope", n)] - losses[("rerope", train)] for n in past]
     expectation = "met" if max(rises) <= 0 else "not met"
-    return [f"Lowest loss at {length_name(longest)} (in brackets: the change from {length_name(train)}): {best}; "
-            f"plain RoPE {at['none']:.3f} ({at['none'] - losses[('none', train)]:+.3f}).",
-            f"`rerope` past training against its own {length_name(train)} loss: " + ", ".join(
-                f"{rise:+.3f} at {length_name(n)}" for n, rise in zip(past, rises))
-            + f" (the seeds expect no rise: {expectation})."]
+    rise_list = ", ".join(f"{rise:+.3f} at {length_name(n)}" for n, rise in zip(past, rises))
+    return lines + [f"`rerope` past training against its own {length_name(train)} loss: {rise_list} "
+                    f"(the seeds expect no rise: {expectation})."]
 
 
-def log_n_effect(losses: dict[tuple, float], longest: int) -> str:
-    """Each method's loss at the longest length without and with log_n."""
+def log_n_effect(losses: dict[tuple, float], longest: int) -> list[str]:
+    """Each method's loss at the longest length without and with log_n (nothing in a grid without log_n)."""
     pairs = {name: (losses[(name, longest)], losses[(f"{name}(log_n=True)", longest)]) for name in METHODS
              if (name, longest) in losses and (f"{name}(log_n=True)", longest) in losses}
+    if not pairs:
+        return []
     lowers = ", ".join(f"`{name}` ({a:.3f} to {b:.3f})" for name, (a, b) in pairs.items() if b < a)
     raises = ", ".join(f"`{name}` ({a:.3f} to {b:.3f})" for name, (a, b) in pairs.items() if b >= a)
-    return (f"log_n at {length_name(longest)} lowers the loss of {lowers or 'none'}; "
-            f"it raises it for {raises or 'none'}.")
+    return [f"log_n at {length_name(longest)} lowers the loss of {lowers or 'none'}; "
+            f"it raises it for {raises or 'none'}."]
 
 
 def retrieval(rows: dict[tuple, dict], labels: list[str], longest: int) -> list[str]:
@@ -670,10 +676,13 @@ def retrieval(rows: dict[tuple, dict], labels: list[str], longest: int) -> list[
               if rows[(name, longest)].get("repeat_accuracy") is not None}
     trials = rows[(measured[0], longest)]["passkey_trials"]
     some = ranked({name: count for name, count in found.items() if count}, len(found), lowest_first=False)
-    return [f"Passkeys found at {length_name(longest)} (of {trials}): {listed(some, '{}')}; 0 for "
-            + ", ".join(f"`{name}`" for name, count in found.items() if not count) + ".",
-            f"Repeat accuracy at {length_name(longest)}, highest first: {listed(ranked(repeat, 3, False))}; "
-            f"plain RoPE {repeat['none']:.3f}."]
+    missed = ", ".join(f"`{name}`" for name, count in found.items() if not count)
+    lines = [f"Passkeys found at {length_name(longest)} (of {trials}): {listed(some, '{}') or 'none'}"
+             + (f"; 0 for {missed}." if missed else ".")]
+    if "none" not in repeat:  # a partial grid without the repeat test
+        return lines
+    return lines + [f"Repeat accuracy at {length_name(longest)}, highest first: {listed(ranked(repeat, 3, False))}; "
+                    f"plain RoPE {repeat['none']:.3f}."]
 
 
 def readings(report: dict) -> list[str]:
@@ -687,7 +696,7 @@ def readings(report: dict) -> list[str]:
                 f"{listed(ranked({n: losses[(n, lengths[-1])] for n in labels}, 3))}."]
     lines = [within_training(losses, labels, train)]
     if lengths[-1] > train:
-        lines += past_training(losses, labels, train, lengths[-1]) + [log_n_effect(losses, lengths[-1])]
+        lines += past_training(losses, labels, train, lengths[-1]) + log_n_effect(losses, lengths[-1])
     return lines + retrieval(rows, labels, lengths[-1])
 
 
@@ -721,7 +730,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--url", help="evaluate a running server instead of starting one")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the started server's model dtype (not float32: results in eval[_quick]_<dtype>*)")
-    parser.add_argument("--runs", type=Path, help="results log (default bench/results/eval[_quick]_runs.jsonl)")
+    parser.add_argument("--runs", type=Path, help="results log (default bench/results/<stem>_runs.jsonl)")
+    parser.add_argument("--stem", help="the results files' name (default eval[_quick][_<dtype>]): <stem>.json, "
+                                       "<stem>_runs.jsonl, its bench/README.md block")
     parser.add_argument("--budget-minutes", type=float,
                         help="start no measurement that would end after this many minutes (by the log's timings); "
                              "the summary covers what finished")
@@ -736,7 +747,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     quick = args.quick
-    stem = ("eval_quick" if quick else "eval") + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    stem = args.stem or ("eval_quick" if quick else "eval") + ("" if args.dtype == "float32" else f"_{args.dtype}")
     args.runs = args.runs or args.out_dir / f"{stem}_runs.jsonl"
     lengths = [QUICK_LENGTH] if quick else args.lengths
     grid = configs(args.methods, log_n_too=not (quick or args.without_log_n))
@@ -758,6 +769,16 @@ def main() -> int:
     measure(args, stem, max(lengths), to_do, work, began)
     return report(args.runs, jobs, {**meta, "seconds": round(time.perf_counter() - began)}, args.out_dir, stem,
                   args.readme)
+
+
+def tokenizer_split() -> str:
+    """How the provisioned default model's tokenizer splits text before its BPE: its pre-tokenizers
+    (SmolLM2's GGUF declares digits one by one, then the byte-level regex: server/provision.py)."""
+    from rope_plugins.server.provision import provision_default_model
+
+    split = json.loads((provision_default_model() / "tokenizer.json").read_text())["pre_tokenizer"]
+    parts = split.get("pretokenizers", [split])
+    return " + ".join(part["type"] + (" (each digit)" if part.get("individual_digits") else "") for part in parts)
 
 
 def still_to_do(runs: Path, jobs: list[tuple]) -> tuple[list[tuple], list[float]]:
@@ -834,7 +855,9 @@ def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, 
         meta = meta if seconds is None else {**meta, "seconds": seconds}
     done = {record_key(r) for r in records}
     missing = [job for job in jobs if job_key(job) not in done]
-    results = {"date": max(r["date"] for r in records), **meta,
+    # records from before the tokenizer split as its GGUF declares carry no "tokenizer": the bare byte-level regex
+    split = " and ".join(sorted({r.get("tokenizer", "ByteLevel") for r in records}))
+    results = {"date": max(r["date"] for r in records), **meta, "tokenizer": split,
                "measurements_planned": len(jobs), "measurements_missing": len(missing),
                "measured_seconds": round(sum(r["seconds"] for r in records)), **summarize(records)}
     write_outputs(results, out_dir, stem)

@@ -115,7 +115,7 @@ def test_the_report_line_tells_missing_measurements_from_unplanned_cells():
     assert "all 9 planned measurements." in no_dashes
 
 
-@pytest.mark.parametrize("stem", ["eval", "eval_quick"])
+@pytest.mark.parametrize("stem", ["eval", "eval_quick", "eval_digits"])
 def test_bench_readme_shows_the_committed_results(stem):
     """bench/README.md's block is the summary file's, and the summary file is its results log's
     (rerun `bench/evaluate.py [--quick] --table --readme` after measuring)."""
@@ -174,3 +174,19 @@ def test_a_table_rewrite_keeps_the_timed_runs_seconds(tmp_path):
     assert evaluate.report(runs, jobs, {**meta, "seconds": 95}, tmp_path, "eval") == 0  # a timed run
     assert evaluate.report(runs, jobs, meta, tmp_path, "eval") == 0  # --table
     assert json.loads((tmp_path / "eval.json").read_text())["seconds"] == 95
+
+
+def test_the_report_names_the_tokenizer_of_its_records(tmp_path):
+    """A log from before the tokenizer split digits (no "tokenizer" in its records) says ByteLevel;
+    one that mixes both says so, rather than passing one tokenizer's numbers off as the other's."""
+    old = {"test": "loss", "label": "none", "settings": {"method": "none"}, "length": 4096, "sample": 0,
+           "nll": 2.5, "accuracy": 0.5, "seconds": 30.0, "text_end": 32768, "date": "2026-11-22T00:00:00+00:00"}
+    new = {**old, "length": 8192, "tokenizer": "Digits (each digit) + ByteLevel", "date": "2026-11-26T00:00:00+00:00"}
+    jobs = [("loss", {"method": "none"}, 4096), ("loss", {"method": "none"}, 8192)]
+    meta = {"machine": "x86_64, 2 cores", "model": "tiny", "corpus": "pydoc", "train_length": 8192, "profile": "full"}
+    runs = tmp_path / "eval_runs.jsonl"
+    for records, named in (([old], "tokenizer ByteLevel)"),
+                           ([old, new], "tokenizer ByteLevel and Digits (each digit) + ByteLevel)")):
+        runs.write_text("".join(json.dumps(record) + "\n" for record in records))
+        assert evaluate.report(runs, jobs, meta, tmp_path, "eval") == 0
+        assert named in evaluate.markdown(json.loads((tmp_path / "eval.json").read_text()))
