@@ -47,7 +47,8 @@ class ServerConfig(BaseModel):
     shift: int | None = Field(None, description="default STRING shift (default: training length / 3)")
     local: int | None = Field(None, description="default STRING local value (default: 128, at most shift / 2)")
     log_n: bool = Field(False, description="default log-n query scaling")
-    dtype: str = Field("float32", description="model dtype (bfloat16 answers correctly too for the provisioned models)")
+    dtype: str = Field("auto", description="model dtype: auto is bfloat16 on a CPU with bfloat16 dot products "
+                       "(AVX512_BF16 or AMX), float32 on other CPUs, the checkpoint's on a GPU (served_dtype)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
     max_num_seqs: int = Field(8, description="sequences decoded together")
     # a decoding request waits for each step's prompt chunk: the step-budget measurement
@@ -130,3 +131,24 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     except Exception as error:
         parser.error(str(error))
         raise
+
+
+def has_bfloat16_dot_products() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512_BF16, or AMX tiles)."""
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def served_dtype(dtype: str) -> str:
+    """The model dtype ``--dtype`` asks for. ``auto`` on a CPU: bfloat16 where it has bfloat16 dot
+    products, where bench/dtype_speed.py measured the plugin faster end to end in bfloat16 than
+    in float32 (and bench/dtype_check.py both correct); float32 on any other CPU, where bfloat16
+    arithmetic is emulated (not measured here). On a GPU, vLLM's own auto: the checkpoint's dtype."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    if torch.cuda.is_available():  # vLLM's CUDA build serves on the GPU
+        return "auto"
+    return "bfloat16" if has_bfloat16_dot_products() else "float32"

@@ -26,7 +26,7 @@ from rope_plugins.frontend.engine_args import default_settings, engine_kwargs, e
 from rope_plugins.rules.checkpoint import CheckpointRotary, checkpoint_rotary
 from rope_plugins.rules.settings import ExtensionSettings
 from rope_plugins.server.checks import Bounds
-from rope_plugins.server.config import AUTO, ServerConfig
+from rope_plugins.server.config import AUTO, ServerConfig, served_dtype
 from rope_plugins.server.errors import bad_request, engine_unavailable, printable
 from rope_plugins.server.extension import SETTINGS_KEY, ServerDefaults, engine_default_fields
 from rope_plugins.server.metrics import Metrics
@@ -126,8 +126,11 @@ class EngineService:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         config = self.config
+        dtype = served_dtype(config.dtype)
+        if dtype != config.dtype:
+            logger.info("dtype %s: serving %s", config.dtype, dtype)
         kwargs = engine_kwargs(
-            model, defaults=self.engine_default, max_model_len=config.max_model_len, dtype=config.dtype,
+            model, defaults=self.engine_default, max_model_len=config.max_model_len, dtype=dtype,
             kv_cache_memory_bytes=config.kv_cache_memory, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             enforce_eager=config.enforce_eager, served_model_name=self.model_name or None, seed=0,

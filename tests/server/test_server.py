@@ -37,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start_server(log: Path, *flags: str) -> ServerProcess:
     """A server on the real default model with the test limits, the API key from the environment
-    (as deployments pass it)."""
-    base_flags = ["--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory", str(256 << 20)]
+    (as deployments pass it), in float32: the dtype these tests' numbers (a method's loss against
+    plain RoPE's within training, say) are exact in. The default ``auto`` is served_dtype's test."""
+    base_flags = ["--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory", str(256 << 20),
+                  "--dtype", "float32"]
     try:
         return launch([*base_flags, *flags], log, env={"ROPE_EXTEND_API_KEY": API_KEY}, timeout=600)
     except RuntimeError as error:
