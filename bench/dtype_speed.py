@@ -1,4 +1,4 @@
-"""Which dtype should ``make run`` serve on this CPU? The plugin in float32 and in bfloat16, side by side.
+"""Which dtype is faster for ``make run`` on this CPU? The plugin in float32 and in bfloat16, side by side.
 
     .venv/bin/python bench/dtype_speed.py              # 2k, 8k and 16k prompts, 3 repetitions
     .venv/bin/python bench/dtype_speed.py --markdown   # bench/README.md's block from the results
@@ -9,7 +9,7 @@ request is one ``make run`` serves: a random prompt of the length, with the sett
 ``auto`` applies to it (server/auto.py: plain RoPE within training, an extension past it). Per
 length and dtype: the prefill of the fresh prompt, the time per output token after it, and the
 end-to-end time of a reply of 256 tokens (prefill + 256 x TPOT, as bench/llama_cpp_speed.py
-counts it). bench/dtype_check.py showed both dtypes answer correctly; this decides which is faster.
+counts it). bench/dtype_check.py checks that a dtype answers correctly; this, which is faster.
 Writes bench/results/dtype_speed.json and dtype_speed.png.
 """
 
@@ -135,11 +135,12 @@ def markdown(report: dict) -> str:
     faster = [n for n in report["lengths"] if ratio.get(str(n), {}).get("end_to_end", float("inf")) < 1]
     where = ("at every length measured" if faster == report["lengths"]
              else f"at {', '.join(f'{n // 1024}k' for n in faster) or 'no length'} of the lengths measured")
-    lines += ["", f"- bfloat16 is faster end to end {where}: `make run` serves {report['chosen']} on this CPU."]
+    lines += ["", f"- bfloat16 is faster end to end {where}: the speed half of choosing `make run`'s dtype "
+                  "(bench/dtype_check.py's answers are the other)."]
     return "\n".join(lines)
 
 
-def chosen(ratio: dict) -> str:
+def faster(ratio: dict) -> str:
     """bfloat16 where it is faster end to end at every length measured, float32 otherwise."""
     ends = [values.get("end_to_end") for values in ratio.values()]
     return "bfloat16" if ends and all(e is not None and e < 1 for e in ends) else "float32"
@@ -199,7 +200,7 @@ def main() -> int:
     def write(samples: dict) -> dict:
         median, ratio = summary(samples)
         report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **meta, "median": median,
-                  "bfloat16_over_float32": ratio, "chosen": chosen(ratio), "samples": samples}
+                  "bfloat16_over_float32": ratio, "faster": faster(ratio), "samples": samples}
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         return report
 

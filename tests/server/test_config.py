@@ -48,10 +48,12 @@ def test_every_flag_is_in_the_readme():
 @pytest.mark.parametrize("native, served", [(True, "bfloat16"), (False, "float32")])
 def test_auto_serves_bfloat16_where_the_cpu_multiplies_it(monkeypatch, native, served):
     """bench/dtype_speed.py measured bfloat16 faster end to end on a CPU with AVX512_BF16; a CPU
-    without bfloat16 dot products gets float32. A named dtype is served as named."""
+    without bfloat16 dot products gets float32. A named dtype is served as named, and the
+    default is float32 (bench/dtype_check.py: the default model's answer flips in bfloat16)."""
     from rope_plugins.server import config
 
-    assert parse_config([], environ={}).dtype == "auto"
+    assert parse_config([], environ={}).dtype == "float32"
+    assert parse_config(["--dtype", "auto"], environ={}).dtype == "auto"
     monkeypatch.setattr(config, "has_bfloat16_dot_products", lambda: native)
     assert config.served_dtype("auto") == served
     assert config.served_dtype("float32") == "float32" and config.served_dtype("bfloat16") == "bfloat16"

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start_server(log: Path, *flags: str) -> ServerProcess:
     """A server on the real default model with the test limits, the API key from the environment
-    (as deployments pass it), in float32: the dtype these tests' numbers (a method's loss against
-    plain RoPE's within training, say) are exact in. The default ``auto`` is served_dtype's test."""
+    (as deployments pass it), in float32, named: the dtype these tests' numbers (a method's loss
+    against plain RoPE's within training, say) are exact in, whatever the server's default."""
     base_flags = ["--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory", str(256 << 20),
                   "--dtype", "float32"]
     try:
