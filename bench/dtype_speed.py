@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.speed import KV_BYTES, cpu_model, random_prompt  # noqa: E402
+from bench.speed import cpu_model, engine_arguments, random_prompt  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DTYPES = ("float32", "bfloat16")
@@ -45,10 +45,9 @@ class DtypeEngines:
         from rope_plugins.rules.settings import engine_defaults
 
         compute_on_every_core()
-        common = dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
-                      max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
         # every request names its settings; the default only lets the engine serve past training
-        self.engines = {dtype: LLM(**engine_kwargs(model, defaults={"method": "rerope"}, dtype=dtype, **common))
+        self.engines = {dtype: LLM(**engine_kwargs(model, defaults={"method": "rerope"},
+                                                   **engine_arguments(max_len, dtype=dtype)))
                         for dtype in DTYPES}
         config = self.engines[DTYPES[0]].llm_engine.vllm_config.model_config
         self.defaults = engine_defaults(config.hf_config)

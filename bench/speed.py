@@ -75,6 +75,13 @@ class PeakMemory:
         self._thread.join()
 
 
+def engine_arguments(max_len: int, **more) -> dict:
+    """The engine arguments the speed benchmarks' engines share (bench/dtype_speed.py's too): a
+    ``max_len`` context, a whole long prompt in at most two steps."""
+    return dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len, max_num_batched_tokens=max(max_len // 2, 8192),
+                seed=0, **more)
+
+
 def random_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     """``length`` random token ids (none of the first hundred, where special tokens sit)."""
     return [rng.randrange(100, min(vocab, 40000)) for _ in range(length)]
@@ -275,10 +282,8 @@ class SpeedRun:
         bandwidth = memory_bandwidth()  # before the engines start: the machine alone
         longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
         max_len = 1 << (longest - 1).bit_length()
-        common = dict(dtype=args.dtype, kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len,
-                      max_num_batched_tokens=max(max_len // 2, 8192), seed=0)
         compute_on_every_core()  # the same cores for stock and plugin
-        return cls(args, SideBySide.start(model, **common), model, bandwidth)
+        return cls(args, SideBySide.start(model, **engine_arguments(max_len, dtype=args.dtype)), model, bandwidth)
 
     def measure_batch(self, rng: random.Random) -> None:
         """A batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM, once
