@@ -56,26 +56,32 @@ class QueryPlan:
 
     scale: torch.Tensor  # log-n x the method's factor, float32
     near: Rotation  # m θ
-    far: Rotation  # (o + (m - w) ρ) θ; grouped: (⌊m/g⌋ + w - ⌊w/g⌋) θ
+    far: Rotation  # (o + (m - w) ρ) θ; grouped: (⌊m/g⌋ + w - ⌊w/g⌋) θ; chunked: o θ
+    window: torch.Tensor  # [T] int64: the query's window w(m) (query_windows)
 
 
 @dataclass(frozen=True)
 class PrefillRow:
-    """One request with more than one query token this step: its near band (``0 <= m - n < w``)
-    lies in keys ``band_start ..``, its far part (``n <= m - w``) anywhere before."""
+    """One request with more than one query token this step: its near band (``0 <= m - n < w(m)``)
+    lies in keys ``band_start ..``, its far part (``n <= m - w(m)``) anywhere before."""
 
     tokens: slice  # its query tokens in the step's flat token order
     context: int  # tokens already in the cache before this chunk
     seq_len: int  # context + chunk
     row: int  # batch row (block table)
-    window: int
-    far_keys: Rotation | None  # n ρ θ (grouped: ⌊n/g⌋ θ), [seq_len, 1, d/2]; None when ρ = 0 (read raw)
+    window: torch.Tensor  # [chunk] int64: each query's window w(m)
+    far_keys: Rotation | None  # n ρ θ (grouped: ⌊n/g⌋ θ, chunked: (n mod s) θ), [seq_len, 1, d/2]; None when ρ = 0
     band_start: int = 0  # the first key position any near query sees
     band_keys: Rotation | None = None  # n θ for n = band_start .. seq_len - 1, [n, 1, d/2]
 
     @property
     def chunk(self) -> int:
         return self.tokens.stop - self.tokens.start
+
+    @property
+    def near_from(self) -> torch.Tensor:
+        """Each query's first near key ``m - w(m) + 1``, ``[chunk]`` int64."""
+        return self.context + torch.arange(self.chunk) - self.window + 1
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,7 @@ class KernelPlan:
     log_n_length: torch.Tensor  # [R] float64
     query_factor: torch.Tensor  # [R] float64
     group: torch.Tensor  # [R] int64
+    chunk_length: torch.Tensor  # [R] int64: dual-chunk's s; 0 elsewhere
     prefill_tiles: PrefillTiles | None
     decode_rows: DecodeRows | None
 
@@ -248,7 +255,8 @@ def kernel_plan(tables: RowTables, *, query_start_cpu: torch.Tensor, query_start
         query_start=query_start[: rows + 1], seq_lens=seq_lens, theta=on_device(tables.theta),
         window=on_device(tables.window), leak=on_device(tables.leak), far_origin=on_device(tables.far_origin),
         log_n_length=on_device(tables.log_n_length),
-        query_factor=on_device(tables.query_factor), group=on_device(tables.group), prefill_tiles=tiles,
+        query_factor=on_device(tables.query_factor), group=on_device(tables.group),
+        chunk_length=on_device(tables.chunk_length), prefill_tiles=tiles,
         decode_rows=decode_rows)
 
 
@@ -299,17 +307,33 @@ def dynamic_sub_rows(tables: RowTables, starts: torch.Tensor, seq_lens: torch.Te
                    seq_lens=seq_lens_out, batch_row=batch_row)
 
 
+def query_windows(positions: torch.Tensor, window: torch.Tensor, far_origin: torch.Tensor,
+                  chunk_length: torch.Tensor) -> torch.Tensor:
+    """Each query's window ``w(m)`` (int64): keys at ``m - n < w(m)`` are near. The row's ``w``, but
+    in chunks of ``s`` (dual-chunk attention, local window ``l = o - s``) the keys of the query's
+    own chunk, and of the chunk before while ``m mod s <= l``: ``m mod s + 1``, plus ``s`` then."""
+    chunks = chunk_length.clamp(min=1)
+    offset = positions % chunks
+    chunked = offset + 1 + torch.where(offset <= far_origin - chunk_length, chunk_length, 0)
+    return torch.where(chunk_length > 0, chunked, window)
+
+
 def far_query_positions(positions: torch.Tensor, window: torch.Tensor, leak: torch.Tensor, far_origin: torch.Tensor,
-                        group: torch.Tensor) -> torch.Tensor:
+                        group: torch.Tensor, chunk_length: torch.Tensor) -> torch.Tensor:
     """Where each query (0-based ``positions``, int64) stands for its far keys, float64:
-    ``o + (m - w) ρ``; with positions grouped (``g > 0``, Self-Extend) ``⌊m/g⌋ + w - ⌊w/g⌋``."""
+    ``o + (m - w) ρ``; with positions grouped (``g > 0``, Self-Extend) ``⌊m/g⌋ + w - ⌊w/g⌋``; in
+    chunks (dual-chunk attention) ``o`` whatever ``m``."""
     groups = group.clamp(min=1)
     grouped = (positions // groups + window - window // groups).to(torch.float64)
-    return torch.where(group > 0, grouped, far_origin + (positions - window) * leak)
+    continuous = torch.where(chunk_length > 0, far_origin.to(torch.float64), far_origin + (positions - window) * leak)
+    return torch.where(group > 0, grouped, continuous)
 
 
-def far_key_positions(positions: torch.Tensor, leak: float, group: int) -> torch.Tensor:
-    """Where keys at ``positions`` (int64) stand for far queries, float64: ``n ρ``; grouped ``⌊n/g⌋``."""
+def far_key_positions(positions: torch.Tensor, leak: float, group: int, chunk_length: int) -> torch.Tensor:
+    """Where keys at ``positions`` (int64) stand for far queries, float64: ``n ρ``; grouped ``⌊n/g⌋``;
+    in chunks of ``s`` ``n mod s``."""
+    if chunk_length:
+        return (positions % chunk_length).to(torch.float64)
     return (positions // group).to(torch.float64) if group else positions.to(torch.float64) * leak
 
 
@@ -337,7 +361,8 @@ class StepPlanner:
         decode = (query_lens == 1).nonzero().flatten()
         query = self.query_plan(rows, query_lens)
         return StepPlan(rows=rows, query=query,
-                        prefill=[self.prefill_row(rows, row) for row in (query_lens > 1).nonzero().flatten().tolist()],
+                        prefill=[self.prefill_row(rows, query, row)
+                                 for row in (query_lens > 1).nonzero().flatten().tolist()],
                         decode=self.decode_plan(rows, decode, query) if decode.numel() else None)
 
     def query_plan(self, rows: KernelPlan, query_lens: torch.Tensor) -> QueryPlan:
@@ -346,21 +371,24 @@ class StepPlanner:
         # position of each token: the request's context plus its offset in the chunk
         positions = (rows.seq_lens - query_lens)[token_row] + torch.arange(tokens) - rows.query_start[:-1][token_row]
         theta = rows.theta[token_row]  # [T, d/2]
-        far_position = far_query_positions(positions, rows.window[token_row], rows.leak[token_row],
-                                           rows.far_origin[token_row], rows.group[token_row])
+        window, far_origin = rows.window[token_row], rows.far_origin[token_row]
+        chunk_length = rows.chunk_length[token_row]
+        far_position = far_query_positions(positions, window, rows.leak[token_row], far_origin, rows.group[token_row],
+                                           chunk_length)
         scale = log_n_factor(positions, rows.log_n_length[token_row]) * rows.query_factor[token_row]
         return QueryPlan(scale=scale.float(),
                          near=Rotation.of((positions[:, None].double() * theta)[:, None]),
-                         far=Rotation.of((far_position[:, None] * theta)[:, None]))
+                         far=Rotation.of((far_position[:, None] * theta)[:, None]),
+                         window=query_windows(positions, window, far_origin, chunk_length))
 
-    def far_key_table(self, theta: torch.Tensor, leak: float, group: int, length: int) -> Rotation:
+    def far_key_table(self, theta: torch.Tensor, leak: float, group: int, chunk_length: int, length: int) -> Rotation:
         """The far angles of key positions ``n < length`` (:func:`far_key_positions` x θ),
         ``[length, d/2]``; computed once per setting (and per doubling of the length), not every step."""
-        key = (leak, group, theta.numpy().tobytes())
+        key = (leak, group, chunk_length, theta.numpy().tobytes())
         table = self.far_tables.pop(key, None)  # re-inserted below: the dict is kept in use order
         if table is None or table.cos.shape[0] < length:
             capacity = max(1024, 1 << (length - 1).bit_length())
-            positions = far_key_positions(torch.arange(capacity), leak, group)
+            positions = far_key_positions(torch.arange(capacity), leak, group, chunk_length)
             table = Rotation.of(positions[:, None] * theta)
         self.far_tables[key] = table
         while len(self.far_tables) > FAR_TABLES_KEPT:
@@ -369,12 +397,13 @@ class StepPlanner:
 
     def decode_plan(self, rows: KernelPlan, decode: torch.Tensor, query: QueryPlan) -> DecodePlan:
         """Blocks to read, keys to keep, far-key tables and the near band of every decode row."""
-        seq_lens, window = rows.seq_lens[decode], rows.window[decode]
+        seq_lens = rows.seq_lens[decode]
         keys = -(-int(seq_lens.max()) // self.block_size) * self.block_size  # the rows' key columns
-        band_width = min(int(window.max()), int(seq_lens.max()))
         tokens = rows.query_start[:-1][decode]
         if torch.equal(tokens, torch.arange(int(tokens[0]), int(tokens[0]) + tokens.numel())):
             tokens = slice(int(tokens[0]), int(tokens[0]) + tokens.numel())  # views instead of gathers
+        window = query.window[tokens]
+        band_width = min(int(window.max()), int(seq_lens.max()))
         near, far = query.near[tokens], query.far[tokens]  # [Rd, 1, d/2]
         both = Rotation(cos=torch.cat((near.cos, far.cos), dim=1), sin=torch.cat((near.sin, far.sin), dim=1))
         return DecodePlan(
@@ -382,18 +411,19 @@ class StepPlanner:
             block_ids=rows.block_table[decode, : keys // self.block_size].to(torch.int64),
             keep=torch.arange(keys)[None, :] < seq_lens[:, None], seq_lens=seq_lens, window=window,
             band_start=(seq_lens - band_width).clamp(min=0),
-            far_keys=self.decode_far_keys(rows.theta[decode], rows.leak[decode], rows.group[decode], keys),
+            far_keys=self.decode_far_keys(rows.theta[decode], rows.leak[decode], rows.group[decode],
+                                          rows.chunk_length[decode], keys),
             band=self.decode_band(rows.theta[decode], seq_lens, window, band_width, keys) if band_width > 0 else None)
 
-    def decode_far_keys(self, theta: torch.Tensor, leak: torch.Tensor, group: torch.Tensor,
+    def decode_far_keys(self, theta: torch.Tensor, leak: torch.Tensor, group: torch.Tensor, chunk_length: torch.Tensor,
                         keys: int) -> FarKeys | None:
-        """One far-key table per distinct (θ, ρ != 0, g) among the decode rows."""
+        """One far-key table per distinct (θ, ρ != 0, g, s) among the decode rows."""
         table_of_row, table_of_setting, tables = torch.full((leak.numel(),), -1, dtype=torch.int64), {}, []
         for r in (leak != 0).nonzero().flatten().tolist():
-            setting = (float(leak[r]), int(group[r]), theta[r].numpy().tobytes())
+            setting = (float(leak[r]), int(group[r]), int(chunk_length[r]), theta[r].numpy().tobytes())
             if setting not in table_of_setting:
                 table_of_setting[setting] = len(tables)
-                tables.append(self.far_key_table(theta[r], float(leak[r]), int(group[r]), keys))
+                tables.append(self.far_key_table(theta[r], *setting[:3], keys))
             table_of_row[r] = table_of_setting[setting]
         return FarKeys(tables=tuple(tables), table_of_row=table_of_row) if tables else None
 
@@ -408,16 +438,20 @@ class StepPlanner:
                           target=torch.where(near, position, keys),
                           keys=Rotation.of((position.double()[..., None] * theta[:, None, :])[:, :, None]))
 
-    def prefill_row(self, rows: KernelPlan, row: int) -> PrefillRow:
+    def prefill_row(self, rows: KernelPlan, query: QueryPlan, row: int) -> PrefillRow:
         first, end, seq_len = int(rows.query_start[row]), int(rows.query_start[row + 1]), int(rows.seq_lens[row])
         chunk = end - first
-        context, window, leak, theta = seq_len - chunk, int(rows.window[row]), float(rows.leak[row]), rows.theta[row]
+        context, leak, theta = seq_len - chunk, float(rows.leak[row]), rows.theta[row]
+        window = query.window[first:end]
         band_start, band_keys = 0, None
-        if window:
-            band_start = max(0, context - window + 1)
+        if bool((window > 0).any()):
+            band_start = max(0, int((context + torch.arange(chunk) - window).min()) + 1)
             positions = torch.arange(band_start, seq_len, dtype=torch.float64)
             band_keys = Rotation.of((positions[:, None] * theta)[:, None])
-        far_keys = self.far_key_table(theta, leak, int(rows.group[row]), seq_len)[:, None] if leak != 0 else None
+        far_keys = None
+        if leak != 0:
+            far_keys = self.far_key_table(theta, leak, int(rows.group[row]), int(rows.chunk_length[row]),
+                                          seq_len)[:, None]
         return PrefillRow(tokens=slice(first, end), context=context,
                           seq_len=seq_len, row=row, window=window, far_keys=far_keys, band_start=band_start,
                           band_keys=band_keys)

@@ -84,7 +84,7 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
     far_keys = native.cache_key_tiles(kv_cache=kv_cache, block_ids=block_ids, first=0, count=row.seq_len,
                                       cos=far_cos, sin=far_sin, origin=0, tiles=tiles)
     near_origin, near_keys = 0, kv_cache.new_empty(0)
-    if row.window:
+    if row.band_keys is not None:
         near_origin = row.band_start // tile * tile
         near_keys = native.cache_key_tiles(kv_cache=kv_cache, block_ids=block_ids, first=row.band_start,
                                            count=row.seq_len - row.band_start, cos=flat(row.band_keys.cos),
@@ -93,7 +93,8 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
     near, far = queries.near[row.tokens], queries.far[row.tokens]
     inputs = native.prefill_inputs(query_scale=queries.scale[row.tokens], near_cos=flat(near.cos),
                                    near_sin=flat(near.sin), far_cos=flat(far.cos), far_sin=flat(far.sin),
-                                   context=row.context, window=row.window, near_origin=near_origin)
+                                   near_from=row.near_from, context=row.context, banded=row.band_keys is not None,
+                                   near_origin=near_origin)
     return native.prefill_attention(
         inputs, query=query.float(), near_keys=near_keys, far_keys=far_keys,
         values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),
@@ -116,12 +117,14 @@ def prefill_plain(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tenso
                   row: PrefillRow, *, scale: float, scores_per_chunk: int = PLAIN_SCORES) -> torch.Tensor:
     """:func:`prefill_kernel` in plain PyTorch (float32 scores): per chunk of queries, every
     score at its far angle, the near band's at its near angle, the rule's pick by distance
-    ``m - n``, the causal mask and one softmax. The fallback where no C++ compiler is, or for
-    other dtypes; the oracle holds it in the tests."""
+    ``m - n`` against each query's window, the causal mask and one softmax. The fallback where
+    no C++ compiler is, or for other dtypes; the oracle holds it in the tests."""
     keys, values = sequence_keys(kv_cache, block_ids, row.seq_len)
     near_query, far_query = rotated_queries(query, queries, row.tokens)
     far_keys = rotate_by(keys, row.far_keys.cos, row.far_keys.sin) if row.far_keys is not None else keys
-    band_keys = rotate_by(keys[row.band_start:], row.band_keys.cos, row.band_keys.sin) if row.window else None
+    band_keys = None
+    if row.band_keys is not None:
+        band_keys = rotate_by(keys[row.band_start:], row.band_keys.cos, row.band_keys.sin)
     key_positions = torch.arange(row.seq_len)
     per_chunk = max(1, scores_per_chunk // (query.shape[1] * row.seq_len))
     outputs = []
@@ -131,7 +134,7 @@ def prefill_plain(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tenso
         scores = gqa_scores(far_query[part], far_keys)  # [kv, g, l, S]
         if band_keys is not None:
             band = scores[..., row.band_start:]
-            band.copy_(torch.where(distance[:, row.band_start:] < row.window,
+            band.copy_(torch.where(distance[:, row.band_start:] < row.window[part, None],
                                    gqa_scores(near_query[part], band_keys), band))
         weights = torch.softmax((scores * scale).masked_fill(distance < 0, float("-inf")), dim=-1)
         outputs.append(torch.einsum("kgls,skd->lkgd", weights, values.float()).flatten(1, 2))

@@ -162,13 +162,17 @@ def cache_values(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: in
 
 
 def prefill_inputs(*, query_scale: torch.Tensor, near_cos: torch.Tensor, near_sin: torch.Tensor,
-                   far_cos: torch.Tensor, far_sin: torch.Tensor, context: int, window: int, near_origin: int):
+                   far_cos: torch.Tensor, far_sin: torch.Tensor, near_from: torch.Tensor, context: int, banded: bool,
+                   near_origin: int):
     """One prefill row's chunk of ``L`` queries at ``context .. context + L - 1`` as the C++
     prefill reads it (``PrefillInputs``): query_scale ``[L]``, the cosines and sines of each
-    query's near and far angle ``[L, d/2]``, and ``near_origin``, the first near key tile's position (a multiple of
-    ``KEY_TILE`` at or before the first key any near query sees)."""
+    query's near and far angle ``[L, d/2]``, each query's first near key ``near_from`` ``[L]``
+    (``m - w + 1``), whether there are near keys at all (``banded``), and ``near_origin``, the
+    first near key tile's position (a multiple of ``KEY_TILE`` at or before the first key any
+    near query sees)."""
     return packed(kernels().PrefillInputs(), query_scale=query_scale.float(), near_cos=near_cos, near_sin=near_sin,
-                  far_cos=far_cos, far_sin=far_sin, context=context, window=window, near_origin=near_origin)
+                  far_cos=far_cos, far_sin=far_sin, near_from=near_from.to(torch.int64), context=context,
+                  banded=banded, near_origin=near_origin)
 
 
 def prefill_attention(inputs, *, query: torch.Tensor, near_keys: torch.Tensor, far_keys: torch.Tensor,

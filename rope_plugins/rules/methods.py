@@ -13,6 +13,15 @@ positions: ``ρ = 1/g`` with each far position floored to its group, the far que
 query's position: ``θ_i k^(-e_i)`` with ``k`` sized to the tokens the query has seen, applied to
 every key it reads (keys are cached unrotated, so each step's rotation is exact).
 
+Dual-chunk attention (ChunkLlama, An et al., ICML 2024) cuts positions into chunks of
+``s = C - l`` (``C`` its chunk size, ``l`` its local window): every key stands at ``n mod s``; a
+query scores keys of its own chunk at ``m mod s``, of the chunk before at ``min(m mod s + s, C)``
+and older ones at ``C``. In relative terms a key is near (``r = m - n``) when it shares the
+query's chunk, or is in the chunk before and ``m mod s <= l``; every other key is far, at
+``C - n mod s``: the far query stands at ``o = C`` whatever ``m``, the far key at ``n mod s``
+(``ρ = 1`` within a chunk), and the window follows the query, ``w(m) = m mod s + 1`` plus ``s``
+when ``m mod s <= l`` (``planner.query_windows``; its ``w`` here is the widest, ``C + 1``).
+
 Frequencies apply on top of the checkpoint's own table (:mod:`rope_plugins.rules.checkpoint`):
 a method multiplies each pair of ``θ_ckpt`` by the factor it applies to plain RoPE at the
 checkpoint's base, ``θ_method(b) / θ_plain(b)`` (YaRN's ramp at the request's training
@@ -73,6 +82,10 @@ def _ungrouped(settings: ExtensionSettings) -> int:
     return 0
 
 
+def _unchunked(settings: ExtensionSettings) -> int:
+    return 0
+
+
 def _fixed_factor(settings: ExtensionSettings, head_dim: int) -> torch.Tensor | None:
     return None
 
@@ -95,6 +108,8 @@ class ExtensionMethod:
     # a factor k that follows the length: θ_i k^(-e_i) at each query, with k from the tokens it
     # has seen (rotary.dynamic_length); returns e, [d/2] float64, or None for a fixed θ
     dynamic_exponent: Callable[[ExtensionSettings, int], torch.Tensor | None] = _fixed_factor
+    # s: keys stand at n mod s for far queries, and the window follows the query (dual-chunk); 0: no chunks
+    chunk_length: Callable[[ExtensionSettings], int] = _unchunked
 
 
 METHODS: dict[str, ExtensionMethod] = {method.name: method for method in (
@@ -116,6 +131,9 @@ METHODS: dict[str, ExtensionMethod] = {method.name: method for method in (
     ExtensionMethod("ntk_dynamic", ("train_length",), dynamic_exponent=lambda s, d: ntk_dynamic_exponent(d)),
     # STRING: relative positions from the shift S on start again at the local value W
     ExtensionMethod("string", ("shift", "local"), window=lambda s: s.shift, far_origin=lambda s: s.local),
+    # dual-chunk attention: far queries at C against keys at n mod s (s = C - local window)
+    ExtensionMethod("dual_chunk", ("chunk_size", "local_window"), window=lambda s: s.chunk_size + 1,
+                    far_origin=lambda s: s.chunk_size, chunk_length=lambda s: s.chunk_size - s.local_window),
 )}
 
 

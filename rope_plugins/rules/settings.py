@@ -58,6 +58,10 @@ MAX_LEAKY_K = 65536.0
 SELF_EXTEND_GROUPS = (1, 2, 4, 8, 16, 32, 64)
 # STRING's default local value W (its paper's 128), at most half of the shift on short models
 STRING_LOCAL = 128
+# Dual-chunk attention's chunk length (chunk_size - local_window) is a whole number of these:
+# the CPU decode kernel walks far-key angles in 64-key steps, and a step must not cross a chunk
+# (where the key positions start again at 0), as the Triton prefill's 64-key tiles must not
+DUAL_CHUNK_ALIGN = 64
 # ntk_dynamic sizes its factor to the tokens seen rounded up to a step of this many past the
 # training length: the rotation changes every 128 positions rather than at every one, so a
 # prompt chunk splits into a few rows of one rotation each (planner.dynamic_sub_rows)
@@ -67,6 +71,18 @@ DYNAMIC_STEP = 128
 def default_shift(train_length: int) -> int:
     """STRING's default shift S: a third of the training length (its paper's)."""
     return max(1, train_length // 3)
+
+
+def default_local_window(train_length: int) -> int:
+    """Dual-chunk attention's default local window: ChunkLlama's ``L / 16``."""
+    return train_length // 16
+
+
+def default_chunk_size(train_length: int, local_window: int) -> int:
+    """Dual-chunk attention's default chunk size ``C``: ChunkLlama's ``3 L / 4``, less what makes
+    its chunk length ``C - local_window`` a whole number of ``DUAL_CHUNK_ALIGN`` (at least one)."""
+    chunk_length = max(DUAL_CHUNK_ALIGN, (train_length * 3 // 4 - local_window) // DUAL_CHUNK_ALIGN * DUAL_CHUNK_ALIGN)
+    return chunk_length + local_window
 
 
 class SettingsError(ValueError):
@@ -92,6 +108,10 @@ class ExtensionSettings(BaseModel):
     ``window`` defaults to a quarter of ``train_length`` (the seed's best range is 1/4..1/2).
     ``shift`` (S) and ``local`` (W) belong to STRING: relative positions from S on are moved
     down to start at W; S defaults to a third of ``train_length`` and W to 128 (at most S / 2).
+    ``chunk_size`` (C) and ``local_window`` belong to dual-chunk attention (ChunkLlama's names;
+    Qwen2.5-1M's ``chunk_size`` and ``local_size``): chunks of ``s = C - local_window`` positions,
+    ``C`` the largest relative position any query sees; ChunkLlama's defaults ``3 L / 4``
+    (rounded so that ``s`` is a multiple of 64) and ``L / 16``.
     """
 
     # every number bounded and finite: a request's values end up in the worker's tensors
@@ -106,6 +126,9 @@ class ExtensionSettings(BaseModel):
     group: int = Field(8, ge=1, le=SELF_EXTEND_GROUPS[-1])
     shift: int | None = Field(None, gt=0, le=MAX_POSITIONS)
     local: int | None = Field(None, ge=0, le=MAX_POSITIONS)
+    # local_window before chunk_size: chunk_size's check reads it
+    local_window: int | None = Field(None, ge=0, le=MAX_POSITIONS)
+    chunk_size: int | None = Field(None, gt=0, le=MAX_POSITIONS, validate_default=True)
     log_n: StrictBool = False
 
     @field_validator("window", "shift")
@@ -127,6 +150,27 @@ class ExtensionSettings(BaseModel):
             raise ValueError(f"must be smaller than shift ({shift}), got {local}")
         return local
 
+    @field_validator("chunk_size")
+    @classmethod
+    def _whole_chunks(cls, chunk_size: int | None, info: ValidationInfo) -> int | None:
+        # checked for dual_chunk alone: the defaults of every other method's settings need not fit
+        train_length, local_window = info.data.get("train_length"), info.data.get("local_window")
+        if info.data.get("method") != "dual_chunk" or train_length is None or "local_window" not in info.data:
+            return chunk_size
+        local_window = default_local_window(train_length) if local_window is None else local_window
+        size = default_chunk_size(train_length, local_window) if chunk_size is None else chunk_size
+        chunk_length = size - local_window
+        if size > train_length:
+            raise ValueError(f"must be at most train_length ({train_length}): it is the largest relative position "
+                             f"a query sees, got {size}")
+        if chunk_length <= local_window:
+            raise ValueError(f"chunk_size ({size}) minus local_window ({local_window}) must exceed local_window: "
+                             "the chunk length s = chunk_size - local_window is larger than the local window")
+        if chunk_length % DUAL_CHUNK_ALIGN:
+            raise ValueError(f"chunk_size ({size}) minus local_window ({local_window}) must be a multiple of "
+                             f"{DUAL_CHUNK_ALIGN}, got {chunk_length}")
+        return chunk_size
+
     @field_validator("group")
     @classmethod
     def _group_a_power_of_two(cls, group: int) -> int:
@@ -142,6 +186,10 @@ class ExtensionSettings(BaseModel):
             object.__setattr__(self, "shift", default_shift(self.train_length))
         if self.local is None:
             object.__setattr__(self, "local", min(STRING_LOCAL, self.shift // 2))
+        if self.local_window is None:
+            object.__setattr__(self, "local_window", default_local_window(self.train_length))
+        if self.chunk_size is None:
+            object.__setattr__(self, "chunk_size", default_chunk_size(self.train_length, self.local_window))
         return self
 
     def canonical(self) -> dict[str, Any]:
@@ -180,8 +228,9 @@ def parse_settings(fields: dict[str, Any] | None, defaults: ExtensionSettings) -
         raise SettingsError("", f"must be an object, got {type(fields).__name__}")
     merged = defaults.model_dump()
     # a length derived by default follows what it is derived from: the window and the shift
-    # the new train_length, the local value the new shift
-    derived = {"window": ("train_length",), "shift": ("train_length",), "local": ("train_length", "shift")}
+    # the new train_length, the local value the new shift, the chunk size the new local window
+    derived = {"window": ("train_length",), "shift": ("train_length",), "local": ("train_length", "shift"),
+               "local_window": ("train_length",), "chunk_size": ("train_length", "local_window")}
     for name, sources in derived.items():
         if name not in fields and any(source in fields for source in sources):
             merged[name] = None

@@ -11,7 +11,8 @@ interpolation's ``θ / k``, YaRN's NTK-by-parts as its reference code defines it
 between the correction dimensions of 32 and 1 rotations) with the temperature
 ``sqrt(1/t) = 0.1 ln s + 1``, ReRoPE's and Leaky ReRoPE's positions (seed 003), Self-Extend's
 grouped positions (LongLM, Algorithm 1), STRING's shifted positions (An et al., ICLR 2025,
-HKUNLP/STRING), dynamic NTK's base at each query's length
+HKUNLP/STRING), dual-chunk attention's chunked positions (ChunkLlama, An et al., ICML 2024,
+its reference code's query and key tables), dynamic NTK's base at each query's length
 (transformers' "dynamic" rope), log-n's ``max(1, log_L n)``; the rotation is the
 complex product. The tests compare PI and YaRN with transformers' own rope initialisation too.
 """
@@ -144,9 +145,21 @@ def oracle_relative_position(settings: ExtensionSettings, query_position: torch.
     """Seed 003: ReRoPE scores ``min(r, w)`` of ``r = m - n``; Leaky ReRoPE ``r`` below ``w`` and
     ``w + (r - w) / k`` from it. LongLM's Self-Extend: neighbours (``r < w``) at ``r``, the rest
     as the grouped query position ``m // g + w - w // g`` minus the grouped key position ``n // g``.
-    STRING: ``r`` below its shift ``S``, else ``r - S + W`` (its local value). Every other method
+    STRING: ``r`` below its shift ``S``, else ``r - S + W`` (its local value). Dual-chunk
+    attention (ChunkLlama): chunks of ``s = C - l``, keys at ``n mod s``, the query at ``m mod s``
+    in its own chunk, at ``min(m mod s + s, C)`` in the chunk before and, in older ones, where
+    the chunk-before table stands at its last offset, ``min(2 s - 1, C)``. Every other method
     the true ``r``. Positions broadcast; returns float64."""
     distance = (query_position - key_position).double()
+    if settings.method == "dual_chunk":
+        size = settings.chunk_size
+        s = size - settings.local_window
+        intra = query_position % s
+        successive = torch.clamp(intra + s, max=size)
+        inter = min(2 * s - 1, size)
+        chunks_back = query_position // s - key_position // s
+        query_at = torch.where(chunks_back == 0, intra, torch.where(chunks_back == 1, successive, inter))
+        return (query_at - key_position % s).double()
     if settings.method == "self_extend":
         g, w = settings.group, settings.window
         grouped = (query_position // g + w - w // g) - key_position // g

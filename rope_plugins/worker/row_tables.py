@@ -28,6 +28,7 @@ class RowValues:
     group: int  # g: far positions floored to groups of g (Self-Extend); 0 keeps them continuous
     dynamic_length: int  # L of a factor that follows the length (ntk_dynamic); 0 for a fixed θ
     theta_exponent: torch.Tensor  # [d/2] float64: each query's θ is theta k^(-exponent); zeros when fixed
+    chunk_length: int  # s: far keys at n mod s, the window following the query (dual-chunk); 0: no chunks
 
 
 def row_values(settings: ExtensionSettings, rotary: CheckpointRotary) -> RowValues:
@@ -40,7 +41,8 @@ def row_values(settings: ExtensionSettings, rotary: CheckpointRotary) -> RowValu
                      query_factor=method.query_factor(settings) * rotary.attention_factor**2,
                      group=method.group(settings), dynamic_length=settings.train_length if exponent is not None else 0,
                      theta_exponent=exponent if exponent is not None else torch.zeros(rotary.head_dim // 2,
-                                                                                        dtype=torch.float64))
+                                                                                        dtype=torch.float64),
+                     chunk_length=method.chunk_length(settings))
 
 
 # Distinct settings seen by a worker: each costs a few hundred bytes; a bounded cache keeps a
@@ -67,11 +69,12 @@ class RowTables:
         self.group = torch.zeros(rows, dtype=torch.int64)
         self.dynamic_length = torch.zeros(rows, dtype=torch.int64)
         self.theta_exponent = torch.zeros(rows, pairs, dtype=torch.float64)
+        self.chunk_length = torch.zeros(rows, dtype=torch.int64)
 
     def _tables(self) -> tuple[torch.Tensor, ...]:
         # in RowValues' order
         return (self.theta, self.window, self.leak, self.far_origin, self.log_n_length, self.query_factor, self.group,
-                self.dynamic_length, self.theta_exponent)
+                self.dynamic_length, self.theta_exponent, self.chunk_length)
 
     def write(self, row: int, values: RowValues) -> None:
         for table, field in zip(self._tables(), fields(values)):
@@ -89,5 +92,5 @@ class RowTables:
         """A copy holding ``rows``, in that order."""
         taken = copy.copy(self)
         (taken.theta, taken.window, taken.leak, taken.far_origin, taken.log_n_length, taken.query_factor, taken.group,
-         taken.dynamic_length, taken.theta_exponent) = (table[rows] for table in self._tables())
+         taken.dynamic_length, taken.theta_exponent, taken.chunk_length) = (table[rows] for table in self._tables())
         return taken

@@ -63,6 +63,14 @@ ROWS = [  # (settings, context length before this step, query tokens this step)
     (ExtensionSettings(method="string", shift=21, local=5, log_n=True, train_length=TRAIN), 600, 1),
     (ExtensionSettings(method="string", shift=30, local=12, train_length=TRAIN), 40, 60),
     (ExtensionSettings(method="string", shift=9, local=0, train_length=TRAIN), 0, 80),
+    # dual-chunk attention in chunks of 64 (chunk size 74, local window 10; or 64 and 0): decode
+    # past a 512-key chunk, decode where the chunk before is still near (offset 3 <= 10) and where
+    # it no longer is (offset 40), prefill across chunk edges from a cached context and from the start
+    (ExtensionSettings(method="dual_chunk", chunk_size=74, local_window=10, log_n=True, train_length=80), 700, 1),
+    (ExtensionSettings(method="dual_chunk", chunk_size=74, local_window=10, train_length=80), 323, 1),
+    (ExtensionSettings(method="dual_chunk", chunk_size=74, local_window=10, train_length=80), 232, 1),
+    (ExtensionSettings(method="dual_chunk", chunk_size=74, local_window=10, train_length=80), 100, 150),
+    (ExtensionSettings(method="dual_chunk", chunk_size=64, local_window=0, log_n=True, train_length=TRAIN), 0, 200),
     # ntk_dynamic: θ steps at TRAIN + j DYNAMIC_STEP (64, 192, 320, ...): a prompt across three
     # steps, a chunk across one, a one-query piece at a step, decode inside training, in a step,
     # and past a 512-key chunk

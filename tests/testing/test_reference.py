@@ -190,16 +190,70 @@ def test_string_limits_and_positions_by_hand():
     assert got.tolist() == [5.0, 3.0, 15.0, 0.0]
 
 
-@pytest.mark.parametrize("method", ["rerope", "leaky_rerope", "yarn", "self_extend", "string"])
+def chunkllama_dual_chunk(q, k, v, *, chunk_size, local_window, base=BASE):
+    """Dual-chunk attention as ChunkLlama's reference code computes it (chunkllama_attn_replace.py,
+    prefill, bsz 1): chunk length ``s = chunk_size - local_window``; tables of query positions
+    ``q_t = 0 .. s - 1`` and ``qc_t = clamp(q_t + s, max=chunk_size)`` and key positions ``k_t = n mod s``;
+    the intra-chunk scores with q at ``q_t[m mod s]``, the successive-chunk scores at ``qc_t[m mod s]``,
+    the inter-chunk ones at ``qc_t[s - 1]``, kept by how many chunks back the key lies.
+    Rotations in rotate_half style; nothing shared with the oracle's code."""
+    seq_len, heads, d = q.shape
+    s = chunk_size - local_window
+    theta = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
+
+    def rotated(x, positions):
+        angle = torch.cat((positions[:, None] * theta, positions[:, None] * theta), dim=-1)[:, None, :]
+        halves = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+        return x * angle.cos() + halves * angle.sin()
+
+    q_t = torch.arange(s, dtype=torch.float64)
+    qc_t = (q_t + s).clamp(max=chunk_size)
+    position = torch.arange(seq_len)
+    k_t = (position % s).double()
+    k, v = k.repeat_interleave(heads // k.shape[1], dim=1), v.repeat_interleave(heads // k.shape[1], dim=1)
+    keys = rotated(k, k_t)
+    scores = {name: torch.einsum("mhd,nhd->hmn", rotated(q, table), keys)
+              for name, table in (("intra", q_t[position % s]), ("successive", qc_t[position % s]),
+                                  ("inter", qc_t[s - 1].expand(seq_len)))}
+    back = position[:, None] // s - position[None, :] // s
+    picked = torch.where(back == 0, scores["intra"], torch.where(back == 1, scores["successive"], scores["inter"]))
+    picked = (picked / math.sqrt(d)).masked_fill(position[:, None] < position[None, :], float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", picked.softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("chunk_size,local_window", [(74, 10), (64, 0), (100, 36), (160, 32)])
+def test_dual_chunk_is_chunkllamas_definition(chunk_size, local_window):
+    q, k, v = random_qkv(seq_len=300)
+    expected = chunkllama_dual_chunk(q, k, v, chunk_size=chunk_size, local_window=local_window)
+    got = oracle("dual_chunk", q, k, v, chunk_size=chunk_size, local_window=local_window, train_length=200)
+    assert torch.allclose(got, expected, atol=1e-12)
+
+
+def test_dual_chunk_positions_by_hand():
+    """Chunk size 74, local window 10: chunks of 64. The query at 140 (chunk 2, offset 12 > 10)
+    sees key 130 (its chunk) at 10, key 100 (the chunk before, offset 36) at min(12 + 64, 74) - 36 =
+    38, key 5 at 74 - 5 = 69; the query at 135 (offset 7 <= 10) sees key 100 at 7 + 64 - 36 = 35,
+    its true distance. A sequence inside one chunk is plain RoPE."""
+    settings = ExtensionSettings(method="dual_chunk", chunk_size=74, local_window=10, train_length=200)
+    got = oracle_relative_position(settings, torch.tensor(140), torch.tensor([130, 100, 5, 140]))
+    assert got.tolist() == [10.0, 38.0, 69.0, 0.0]
+    assert oracle_relative_position(settings, torch.tensor(135), torch.tensor(100)).item() == 35.0
+    q, k, v = random_qkv(seq_len=64)
+    assert torch.allclose(oracle("dual_chunk", q, k, v, chunk_size=74, local_window=10, train_length=200),
+                          oracle("none", q, k, v), atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["rerope", "leaky_rerope", "yarn", "self_extend", "string", "dual_chunk"])
 def test_chosen_query_rows_are_those_rows_of_the_whole_answer(method):
     """``query_rows``: only those rows computed (in any order, chunked), each equal to its row
     of the whole sequence's answer; the keys are still every earlier one."""
-    q, k, v = random_qkv(seq_len=50)
+    q, k, v = random_qkv(seq_len=150)  # three chunks of dual_chunk's 64
     fields = {"rerope": dict(window=7), "leaky_rerope": dict(window=5, leaky_k=3.0), "yarn": dict(factor=4.0),
-              "self_extend": dict(window=6, group=4), "string": dict(shift=9, local=2)}[method]
-    settings = ExtensionSettings(method=method, log_n=True, train_length=16, **fields)
+              "self_extend": dict(window=6, group=4), "string": dict(shift=9, local=2),
+              "dual_chunk": dict(chunk_size=68, local_window=4, train_length=100)}[method]
+    settings = ExtensionSettings(method=method, log_n=True, **{"train_length": 16, **fields})
     whole = reference_attention(q, k, v, settings, base=BASE)
-    rows = torch.tensor([49, 0, 17, 48, 30])
+    rows = torch.tensor([149, 0, 17, 130, 30])
     chosen = reference_attention(q, k, v, settings, base=BASE, query_rows=rows, query_rows_per_chunk=2)
     assert chosen.shape == (5, 6, 16)
     assert torch.allclose(chosen, whole[rows], rtol=0, atol=1e-12)  # equal but for the sums' order

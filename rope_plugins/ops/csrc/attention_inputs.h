@@ -4,7 +4,8 @@
 //
 // Rows follow the planner's rule (rope_plugins/attention/planner.py): a query at position m
 // scores a key at n <= m as
-//   m - n < window : (R(m theta) q) . (R(n theta) k_n)       the near band, plain RoPE
+//   m - n < window : (R(m theta) q) . (R(n theta) k_n)       the near band, plain RoPE (the window
+//                                                             is the query's own: see PrefillInputs)
 //   otherwise      : (R(far(m) theta) q) . (R(far(n) theta) k_n)  far angles (ReRoPE: far(n) = 0, keys raw)
 // with q scaled by its row's query factor (log-n x the method's factor) and the softmax scale.
 #pragma once
@@ -45,8 +46,10 @@ struct PrefillInputs {
   torch::Tensor near_sin;
   torch::Tensor far_cos;  // [L, d/2]: each query's far angle
   torch::Tensor far_sin;
+  torch::Tensor near_from;  // [L] int64: each query's first near key, m - window(m) + 1 (the window follows
+                            // the query in dual-chunk attention); keys before it are far
   int64_t context = 0;      // tokens cached before the chunk
-  int64_t window = 0;       // 0: every key is far
+  bool banded = false;      // near keys given: false when every key is far
   int64_t near_origin = 0;  // near key tiles start here (a multiple of kKeyTile at or before the first near key)
 };
 

@@ -33,7 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("far_cos", &PrefillInputs::far_cos)
       .def_readwrite("far_sin", &PrefillInputs::far_sin)
       .def_readwrite("context", &PrefillInputs::context)
-      .def_readwrite("window", &PrefillInputs::window)
+      .def_readwrite("near_from", &PrefillInputs::near_from)
+      .def_readwrite("banded", &PrefillInputs::banded)
       .def_readwrite("near_origin", &PrefillInputs::near_origin);
   m.def("decode_attention", &decode_attention, "single-pass decode attention on the pre-rotation paged cache");
   m.def("write_cache", &write_cache, "the step's unrotated keys and values into their cache slots");

@@ -2,8 +2,9 @@
 // prefill in rope_plugins/ops/gpu.py.
 //
 // The query at position m scores the key at n <= m as
-//   m - n < window : near_query[m] . near_keys[n]   (both at their plain-RoPE angle)
-//   otherwise      : far_query[m]  . far_keys[n]    (far angles; ReRoPE's far keys are the raw ones)
+//   n >= near_from[m] : near_query[m] . near_keys[n]   (both at their plain-RoPE angle)
+//   otherwise         : far_query[m]  . far_keys[n]    (far angles; ReRoPE's far keys are the raw ones)
+// near_from[m] = m - w + 1 for a window w; in dual-chunk attention the window follows the query.
 // Work items are (kv head, tile of queries); each walks the key tiles up to its causal edge.
 // A key tile wholly inside the window scores only near, one wholly beyond it only far, a
 // straddling tile both and picks per element: no second pass and no log-sum-exp merge.
@@ -35,8 +36,10 @@ struct PrefillView {
   const float* query;
   int64_t token_stride, head_stride;
   const float *query_scale, *near_cos, *near_sin, *far_cos, *far_sin;
+  const int64_t* near_from;
+  bool banded;
   const float *near_keys, *far_keys, *values;
-  int64_t chunk, heads, kv_heads, queries_per_kv, d, context, window, near_origin;
+  int64_t chunk, heads, kv_heads, queries_per_kv, d, context, near_origin;
   int64_t near_tiles, far_tiles, value_stride;
   float scale;
   float* out;
@@ -50,9 +53,10 @@ struct PrefillScratch {
         acc(rows * d), running_max(rows), running_sum(rows) {}
 };
 
-// One work item: queries first_query .. + queries - 1 of kv head h.
+// One work item: queries first_query .. + queries - 1 of kv head h; its queries' near keys start
+// between near_from_min and near_from_max.
 struct QueryTile {
-  int64_t h, first_query, queries, rows, first_position, last_position;
+  int64_t h, first_query, queries, rows, first_position, last_position, near_from_min, near_from_max;
 };
 
 PrefillView prefill_view(const PrefillInputs& row, const torch::Tensor& query, const torch::Tensor& near_keys,
@@ -60,22 +64,26 @@ PrefillView prefill_view(const PrefillInputs& row, const torch::Tensor& query, c
                          torch::Tensor& output) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32, "prefill_attention: float32 only");
   TORCH_CHECK(query.stride(2) == 1 && far_keys.is_contiguous() && values.is_contiguous() &&
-                  (row.window == 0 || near_keys.is_contiguous()) && row.query_scale.is_contiguous() &&
+                  (!row.banded || near_keys.is_contiguous()) && row.near_from.is_contiguous() &&
+                  row.query_scale.is_contiguous() &&
                   row.near_cos.is_contiguous() && row.near_sin.is_contiguous() && row.far_cos.is_contiguous() &&
                   row.far_sin.is_contiguous(),
               "prefill_attention: contiguous inputs");
+  TORCH_CHECK(row.near_from.scalar_type() == torch::kInt64 && row.near_from.numel() == query.size(0),
+              "prefill_attention: near_from is [L] int64");
   TORCH_CHECK(query.size(2) % kColumns == 0, "prefill_attention: head size must be a multiple of ", kColumns);
   PrefillView view;
   view.query = query.data_ptr<float>(), view.token_stride = query.stride(0), view.head_stride = query.stride(1);
   view.query_scale = row.query_scale.data_ptr<float>();
   view.near_cos = row.near_cos.data_ptr<float>(), view.near_sin = row.near_sin.data_ptr<float>();
   view.far_cos = row.far_cos.data_ptr<float>(), view.far_sin = row.far_sin.data_ptr<float>();
-  view.near_keys = row.window ? near_keys.data_ptr<float>() : nullptr;
+  view.near_from = row.near_from.data_ptr<int64_t>(), view.banded = row.banded;
+  view.near_keys = row.banded ? near_keys.data_ptr<float>() : nullptr;
   view.far_keys = far_keys.data_ptr<float>(), view.values = values.data_ptr<float>();
   view.chunk = query.size(0), view.heads = query.size(1), view.d = query.size(2);
   view.kv_heads = values.size(0), view.queries_per_kv = view.heads / view.kv_heads;
-  view.context = row.context, view.window = row.window, view.near_origin = row.near_origin;
-  view.near_tiles = row.window ? near_keys.size(1) : 0, view.far_tiles = far_keys.size(1);
+  view.context = row.context, view.near_origin = row.near_origin;
+  view.near_tiles = row.banded ? near_keys.size(1) : 0, view.far_tiles = far_keys.size(1);
   view.value_stride = values.size(1);
   view.scale = static_cast<float>(scale);
   view.out = output.data_ptr<float>();
@@ -88,8 +96,10 @@ QueryTile query_tile(const PrefillView& view, int64_t item) {
   const int64_t first_query = (tiles - 1 - item / view.kv_heads) * kQueryTile;
   const int64_t queries = std::min(kQueryTile, view.chunk - first_query);
   const int64_t first_position = view.context + first_query;
+  const auto [near_from_min, near_from_max] =
+      std::minmax_element(view.near_from + first_query, view.near_from + first_query + queries);
   return {item % view.kv_heads, first_query, queries, queries * view.queries_per_kv, first_position,
-          first_position + queries - 1};
+          first_position + queries - 1, *near_from_min, *near_from_max};
 }
 
 // the tile's queries scaled and turned to their near and far angle; the running softmax emptied
@@ -101,7 +111,7 @@ void load_queries(const PrefillView& view, const QueryTile& tile, PrefillScratch
     for (int64_t g = 0; g < view.queries_per_kv; ++g) {
       const float* raw = view.query + token * view.token_stride + (tile.h * view.queries_per_kv + g) * view.head_stride;
       const int64_t r = t * view.queries_per_kv + g;
-      if (view.window > 0)
+      if (view.banded)
         rope_kernels::rotate(raw, view.near_cos + token * half, view.near_sin + token * half,
                              scratch.near_tile.data() + r * d, half, factor);
       rope_kernels::rotate(raw, view.far_cos + token * half, view.far_sin + token * half,
@@ -119,7 +129,7 @@ void score_keys(const PrefillView& view, const QueryTile& tile, int64_t first_ke
                 bool any_far, PrefillScratch& scratch) {
   const int64_t d = view.d, tile_size = d * kColumns;
   const float* far_keys = view.far_keys + tile.h * view.far_tiles * tile_size;
-  const float* near_keys = view.window ? view.near_keys + tile.h * view.near_tiles * tile_size : nullptr;
+  const float* near_keys = view.banded ? view.near_keys + tile.h * view.near_tiles * tile_size : nullptr;
   float* far_scores = any_near ? scratch.far_scores.data() : scratch.scores.data();
   for (int64_t tile_key = 0; tile_key < keys; tile_key += kColumns) {
     const int64_t key = first_key + tile_key;
@@ -132,21 +142,21 @@ void score_keys(const PrefillView& view, const QueryTile& tile, int64_t first_ke
   }
 }
 
-// each row's scores of these keys: far ones picked beyond the window, the causal edge masked,
+// each row's scores of these keys: far ones picked before its first near key, the causal edge masked,
 // then one online-softmax step (what the row has summed rescaled when its maximum moved)
 void softmax_keys(const PrefillView& view, const QueryTile& tile, int64_t first_key, int64_t keys, bool straddles,
                   PrefillScratch& scratch) {
   const bool masked = first_key + keys - 1 > tile.first_position;  // the causal edge
-  const int64_t window = view.window;
   for (int64_t t = 0; t < tile.queries; ++t) {
     const int64_t first_distance = tile.first_position + t - first_key;  // m - n at j = 0
+    const int64_t far_keys = view.near_from[tile.first_query + t] - first_key;  // j below it: far
     for (int64_t g = 0; g < view.queries_per_kv; ++g) {
       const int64_t r = t * view.queries_per_kv + g;
       float* __restrict row_scores = scratch.scores.data() + r * kKeyStep;
       const float* __restrict row_far = scratch.far_scores.data() + r * kKeyStep;
       if (straddles) {
 #pragma omp simd
-        for (int64_t j = 0; j < keys; ++j) row_scores[j] = first_distance - j >= window ? row_far[j] : row_scores[j];
+        for (int64_t j = 0; j < keys; ++j) row_scores[j] = j < far_keys ? row_far[j] : row_scores[j];
       }
       if (masked) {
 #pragma omp simd
@@ -189,9 +199,8 @@ void attend_query_tile(const PrefillView& view, int64_t item, PrefillScratch& sc
   load_queries(view, tile, scratch);
   for (int64_t first_key = 0; first_key <= tile.last_position; first_key += kKeyStep) {
     const int64_t keys = std::min(kKeyStep, tile.last_position + 1 - first_key);
-    // distances m - n among these keys range over [first_position - last_key, last_position - first_key]
-    const bool any_near = view.window > 0 && tile.first_position - (first_key + keys - 1) < view.window;
-    const bool any_far = tile.last_position - first_key >= view.window;
+    const bool any_near = view.banded && first_key + keys - 1 >= tile.near_from_min;
+    const bool any_far = first_key < tile.near_from_max;
     score_keys(view, tile, first_key, keys, any_near, any_far, scratch);
     softmax_keys(view, tile, first_key, keys, any_near && any_far, scratch);
     sum_values(view, tile, first_key, keys, scratch);
