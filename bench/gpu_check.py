@@ -96,15 +96,17 @@ class Sizes:
 
 def decoding_every_method(train_length: int, contexts: tuple[int, ...]) -> tuple:
     """One decode row per method (three with log-n) after ``contexts`` cached tokens; windows
-    a quarter of the training length (the default)."""
+    a quarter of the training length (the default); dual-chunk's defaults where they fit (from 128)."""
     window = train_length // 4
+    dual_chunk = dict(method="dual_chunk") if train_length >= 128 else dict(method="dual_chunk", chunk_size=64,
+                                                                            local_window=0)
     fields = (dict(method="rerope", window=window),
               dict(method="leaky_rerope", window=window, leaky_k=16.0, log_n=True),
               dict(method="ntk_mixed", factor=4.0, log_n=True), dict(method="yarn", factor=4.0),
               dict(method="pi", factor=4.0), dict(method="ntk_old", factor=8.0),
               dict(method="ntk_fixed", factor=4.0, log_n=True), dict(method="none"),
               dict(method="self_extend", window=window, group=8, log_n=True), dict(method="ntk_dynamic"),
-              dict(method="string"))
+              dict(method="string"), dual_chunk)
     assert len(contexts) == len(fields)
     return tuple((chosen, context, 1) for chosen, context in zip(fields, contexts))
 
@@ -123,8 +125,9 @@ REAL = Sizes(
         (dict(method="self_extend", window=1000, group=16), 4000, 256),
         (dict(method="ntk_dynamic", log_n=True), 4000, 256),  # its θ steps at 4096 and 4224
         (dict(method="string", shift=1365, local=128), 3000, 256),
+        (dict(method="dual_chunk"), 5500, 256),  # chunks of 2816: across the edge at 5632
         # decode rows at several thousand keys
-        *decoding_every_method(4096, (8191, 6000, 7000, 5500, 4500, 3000, 6500, 2000, 7500, 5000, 6200)),
+        *decoding_every_method(4096, (8191, 6000, 7000, 5500, 4500, 3000, 6500, 2000, 7500, 5000, 6200, 5700)),
     ),
 )
 # Small enough for Triton's interpreter; decode splits of 32 keys so that rows span several.
@@ -138,7 +141,8 @@ SMALL = Sizes(
         (dict(method="self_extend", window=12, group=4), 30, 20),
         (dict(method="ntk_dynamic", log_n=True), 50, 30),  # its θ steps at 64
         (dict(method="string", shift=21, local=5), 25, 30),
-        *decoding_every_method(64, (130, 100, 90, 75, 70, 66, 110, 50, 120, 200, 140)),
+        (dict(method="dual_chunk", chunk_size=64, local_window=0), 50, 30),
+        *decoding_every_method(64, (130, 100, 90, 75, 70, 66, 110, 50, 120, 200, 140, 150)),
     ),
     query_tile=16, min_split_keys=32,
 )

@@ -2,7 +2,9 @@
 
 Each row's rule comes as numbers, not tables (:class:`KernelPlan`): its frequencies ``θ``
 (float64), window ``w``, leak ``ρ``, far origin ``o`` (``w`` but in STRING), Self-Extend's
-group ``g`` (far positions floored to groups; 0: none), log-n length and query factor. Angles
+group ``g`` (far positions floored to groups; 0: none), log-n length, query factor and
+dual-chunk attention's chunk length ``s`` (0: none; far keys at ``n mod s``, the far query at
+``o``, and the window following the query, :func:`query_window`). Angles
 are formed in float64 inside the kernels (position x θ, reduced to ``[-π, π]``) and only then
 cast, so positions far past training keep the float64 oracle's accuracy without a cos/sin
 table as large as the cache.
@@ -57,13 +59,14 @@ def load_pair(at, mask, HALF: tl.constexpr):
 
 @triton.jit
 def load_row_rule(row, theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr,
-                  query_factor_ptr, stride_theta, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+                  query_factor_ptr, chunk_length_ptr, stride_theta, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
     """Row ``row``'s rule as the kernels apply it: ``(θ [pairs] float64, window w, leak ρ, far
-    origin o, Self-Extend's group g, log-n length L, query factor)``."""
+    origin o, Self-Extend's group g, log-n length L, query factor, chunk length s)``."""
     pairs = tl.arange(0, HALF_PAD)
     theta = tl.load(theta_ptr + row * stride_theta + pairs, mask=pairs < HALF, other=0.0)
     return (theta, tl.load(window_ptr + row), tl.load(leak_ptr + row), tl.load(far_origin_ptr + row),
-            tl.load(group_ptr + row), tl.load(log_n_length_ptr + row), tl.load(query_factor_ptr + row))
+            tl.load(group_ptr + row), tl.load(log_n_length_ptr + row), tl.load(query_factor_ptr + row),
+            tl.load(chunk_length_ptr + row))
 
 
 @triton.jit
@@ -105,32 +108,48 @@ def rotate_tile(first, second, first_position, theta, steps):
 
 
 @triton.jit
-def far_query_position(position, window, leak, far_origin, group):
-    """Where a query stands for its far keys: ``o + (m - w) ρ``; grouped ``⌊m/g⌋ + w - ⌊w/g⌋``."""
+def query_window(position, window, far_origin, chunk_length):
+    """Each query's window ``w(m)``: the row's ``w``; in chunks of ``s`` (local window ``o - s``)
+    ``m mod s + 1``, plus ``s`` while ``m mod s <= o - s`` (the chunk before is near)."""
+    chunks = tl.maximum(chunk_length, 1)
+    offset = position % chunks
+    chunked = offset + 1 + tl.where(offset <= far_origin - chunk_length, chunk_length, 0)
+    return tl.where(chunk_length > 0, chunked, window)
+
+
+@triton.jit
+def far_query_position(position, window, leak, far_origin, group, chunk_length):
+    """Where a query stands for its far keys: ``o + (m - w) ρ``; grouped ``⌊m/g⌋ + w - ⌊w/g⌋``;
+    in chunks ``o``."""
     groups = tl.maximum(group, 1)
     grouped = (position // groups + window - window // groups).to(tl.float64)
-    return tl.where(group > 0, grouped, far_origin + (position - window).to(tl.float64) * leak)
+    continuous = far_origin + (position - window).to(tl.float64) * leak
+    continuous = tl.where(chunk_length > 0, far_origin.to(tl.float64), continuous)
+    return tl.where(group > 0, grouped, continuous)
 
 
 @triton.jit
-def far_key_position(key_position, leak, group):
-    """Where a key stands for far queries: ``n ρ``; grouped ``⌊n/g⌋``."""
+def far_key_position(key_position, leak, group, chunk_length):
+    """Where a key stands for far queries: ``n ρ``; grouped ``⌊n/g⌋``; in chunks of ``s`` ``n mod s``."""
     grouped = (key_position // tl.maximum(group, 1)).to(tl.float64)
-    return tl.where(group > 0, grouped, key_position.to(tl.float64) * leak)
+    chunked = (key_position % tl.maximum(chunk_length, 1)).to(tl.float64)
+    continuous = tl.where(chunk_length > 0, chunked, key_position.to(tl.float64) * leak)
+    return tl.where(group > 0, grouped, continuous)
 
 
 @triton.jit
-def far_keys(keys, first_key, key_position, leak, group, theta, steps, STEPS: tl.constexpr):
+def far_keys(keys, first_key, key_position, leak, group, chunk_length, theta, steps, STEPS: tl.constexpr):
     """Keys at their far angle (:func:`far_key_position` x θ); read raw under ReRoPE (``ρ = 0``).
     Ungrouped, a tile's far positions ``(p + j) ρ`` are consecutive steps of ``ρ θ`` (``STEPS``:
-    :func:`rotate_tile`, else one angle per key)."""
+    :func:`rotate_tile`, else one angle per key); in chunks too, from ``p mod s`` (``ρ = 1``), when
+    the tile's size divides ``s``: a tile starts at a multiple of its size, so it lies in one chunk."""
     far_first, far_second = keys
     if leak != 0.0:
-        far_position = far_key_position(key_position, leak, group)
+        far_position = far_key_position(key_position, leak, group, chunk_length)
         if STEPS:  # a constexpr: decode has no steps to read
-            if group == 0:
-                far_first, far_second = rotate_tile(far_first, far_second, tl.cast(first_key, tl.float64) * leak,
-                                                    theta, steps[1])
+            if (group == 0) & (chunk_length % key_position.shape[0] == 0):
+                first_far = far_key_position(tl.cast(first_key, tl.int64), leak, group, chunk_length)
+                far_first, far_second = rotate_tile(far_first, far_second, first_far, theta, steps[1])
             else:
                 far_first, far_second = rotate_pair(far_first, far_second, far_position, theta)
         else:
@@ -150,13 +169,13 @@ def query_scale(position, log_n_length, query_factor):
 def rotated_queries(query_at, mask, position, softmax_scale, rule, HALF: tl.constexpr, OPERAND: tl.constexpr):
     """Queries ``[rows, pairs]`` scaled (:func:`query_scale` x the softmax scale), each at its
     near angle ``m θ`` and its far angle, as pairs of ``OPERAND`` (the scores' operand type)."""
-    theta, window, leak, far_origin, group, log_n_length, query_factor = rule
+    theta, window, leak, far_origin, group, log_n_length, query_factor, chunk_length = rule
     scale = query_scale(position, log_n_length, query_factor) * softmax_scale
     first, second = load_pair(query_at, mask, HALF)
     first = first.to(tl.float32) * scale[:, None]
     second = second.to(tl.float32) * scale[:, None]
     near_first, near_second = rotate_pair(first, second, position.to(tl.float64), theta)
-    far_position = far_query_position(position, window, leak, far_origin, group)
+    far_position = far_query_position(position, window, leak, far_origin, group, chunk_length)
     far_first, far_second = rotate_pair(first, second, far_position, theta)
     return (near_first.to(OPERAND), near_second.to(OPERAND)), (far_first.to(OPERAND), far_second.to(OPERAND))
 
@@ -198,24 +217,25 @@ def pair_scores(query, key, DOT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def tile_scores(near_query, far_query, keys, first_key, key_position, distance, first_query, last_query, rule,
+def tile_scores(near_query, far_query, keys, first_key, key_position, distance, windows, near_edges, rule,
                 steps, DOT: tl.constexpr, PRECISION: tl.constexpr, STEPS: tl.constexpr):
-    """One key tile's scores ``[rows, keys]``: near pairs (``m - n < w``) score the near query
-    against the keys rotated to ``n θ``, the others the far query against the far keys; each
-    half computed only when some pair of the tile needs it (queries ``first_query .. last_query``).
+    """One key tile's scores ``[rows, keys]``: near pairs (``m - n < w(m)``, ``windows`` ``[rows]``)
+    score the near query against the keys rotated to ``n θ``, the others the far query against
+    the far keys; each half computed only when some pair of the tile needs it (keys after
+    ``m - w(m)`` are near: ``near_edges``, its least and greatest over the rows).
     ``STEPS``: keys rotated by ``steps``, the near and far :func:`tile_steps` (:func:`rotate_tile`)."""
-    theta, window, leak, _, group, _, _ = rule
-    near = distance < window
+    theta, window, leak, _, group, _, _, chunk_length = rule
+    near = distance < windows[:, None]
     scores = tl.zeros(distance.shape, tl.float32)
     last_key = first_key + key_position.shape[0] - 1
-    if (window > 0) & (first_query - last_key < window):  # some pair is near
+    if (window > 0) & (last_key > near_edges[0]):  # some pair is near
         if STEPS:
             rotated = rotate_tile(keys[0], keys[1], tl.cast(first_key, tl.float64), theta, steps[0])
         else:
             rotated = rotate_pair(keys[0], keys[1], key_position.to(tl.float64), theta)
         scores = tl.where(near, pair_scores(near_query, rotated, DOT, PRECISION), scores)
-    if last_query - first_key >= window:  # some pair is far
-        far = far_keys(keys, first_key, key_position, leak, group, theta, steps, STEPS)
+    if first_key <= near_edges[1]:  # some pair is far
+        far = far_keys(keys, first_key, key_position, leak, group, chunk_length, theta, steps, STEPS)
         scores = tl.where(near, scores, pair_scores(far_query, far, DOT, PRECISION))
     return scores
 
@@ -256,7 +276,6 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
     max and sum of the online softmax, and the output halves not yet divided by the sum.
     ``PREFILL``: a tile of consecutive queries, scored by ``tl.dot``, whose causal edge can cut a
     key tile; otherwise one decode position (a KV head's query heads), which every key precedes."""
-    first_query = tl.min(position, axis=0)
     last_query = tl.max(position, axis=0)
     pairs = tl.arange(0, near_query[0].shape[1])
     running_max = tl.full(position.shape, float("-inf"), tl.float32)
@@ -265,7 +284,9 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
     # Prefill rotates each key tile by angle sums (1.4x faster on an H200 at the same launch,
     # bench/results/gpu_kernel_speed_{key,tile}_angles.json);
     # decode, whose broadcast sums already fill the registers, forms each key's angle (the tables made it slower).
-    theta, _, leak, _, _, _, _ = rule
+    theta, window, leak, far_origin, _, _, _, chunk_length = rule
+    windows = query_window(position, window, far_origin, chunk_length)
+    near_edges = tl.min(position - windows, axis=0), tl.max(position - windows, axis=0)
     if PREFILL:
         steps = tile_steps(theta, KEY_TILE), tile_steps(theta * leak, KEY_TILE)
     else:
@@ -278,7 +299,7 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
         keys = load_pair(key_at, key_mask, HALF)
         keys = keys[0].to(tl.float32), keys[1].to(tl.float32)
         distance = position[:, None] - key_position[None, :]
-        scores = tile_scores(near_query, far_query, keys, first_key, key_position, distance, first_query, last_query,
+        scores = tile_scores(near_query, far_query, keys, first_key, key_position, distance, windows, near_edges,
                              rule, steps, PREFILL, PRECISION, PREFILL)
         if PREFILL:
             scores = tl.where((distance >= 0) & valid[None, :], scores, float("-inf"))
@@ -334,6 +355,7 @@ def prefill_kernel(
     tile_row_ptr, tile_start_ptr,  # [programs] each program's batch row, and its first query in the row's chunk
     # the row rule
     theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,  # [R, d/2], [R]
+    chunk_length_ptr,  # [R]
     # strides
     stride_ot, stride_oh, stride_qt, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, stride_theta,
     # constexpr sizes
@@ -349,7 +371,7 @@ def prefill_kernel(
     chunk = tl.load(query_start_ptr + row + 1) - query_start
     seq_len = tl.load(seq_lens_ptr + row)
     rule = load_row_rule(row, theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr,
-                         query_factor_ptr, stride_theta, HALF, HALF_PAD)
+                         query_factor_ptr, chunk_length_ptr, stride_theta, HALF, HALF_PAD)
 
     pairs = tl.arange(0, HALF_PAD)
     chunk_index = first_query + tl.arange(0, QUERY_TILE)
@@ -383,6 +405,7 @@ def decode_split_kernel(
     decode_rows_ptr, split_keys,  # [Rd] the decode rows' batch rows; keys per split
     # the row rule
     theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr, query_factor_ptr,  # [R, d/2], [R]
+    chunk_length_ptr,  # [R]
     # strides
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_qt, stride_qh, stride_cb, stride_ch, stride_cs,
     stride_bt, stride_theta,
@@ -398,7 +421,7 @@ def decode_split_kernel(
     token = tl.load(query_start_ptr + row).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + row)
     rule = load_row_rule(row, theta_ptr, window_ptr, leak_ptr, far_origin_ptr, group_ptr, log_n_length_ptr,
-                         query_factor_ptr, stride_theta, HALF, HALF_PAD)
+                         query_factor_ptr, chunk_length_ptr, stride_theta, HALF, HALF_PAD)
 
     pairs = tl.arange(0, HALF_PAD)
     heads = kv_head * QUERIES_PER_KV + tl.arange(0, QUERIES_PER_KV_PAD)
@@ -490,8 +513,8 @@ def attention_arguments(query: torch.Tensor, kv_cache: torch.Tensor, plan: Kerne
         query_ptr=query, cache_ptr=kv_cache, block_table_ptr=plan.block_table,
         query_start_ptr=plan.query_start, seq_lens_ptr=plan.seq_lens,
         theta_ptr=plan.theta, window_ptr=plan.window, leak_ptr=plan.leak, far_origin_ptr=plan.far_origin,
-        group_ptr=plan.group,
-        log_n_length_ptr=plan.log_n_length, query_factor_ptr=plan.query_factor,
+        group_ptr=plan.group, log_n_length_ptr=plan.log_n_length, query_factor_ptr=plan.query_factor,
+        chunk_length_ptr=plan.chunk_length,
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_cb=kv_cache.stride(0),
         stride_ch=kv_cache.stride(1), stride_cs=kv_cache.stride(2), stride_bt=plan.block_table.stride(0),
         stride_theta=plan.theta.stride(0),

@@ -116,11 +116,20 @@ def test_a_kernel_given_a_wrong_group_fails_only_the_grouped_rows(monkeypatch):
     assert not passed and wrong == {"self_extend"}
 
 
-def test_a_kernel_whose_far_positions_start_at_the_window_fails_only_string(monkeypatch):
+def test_a_kernel_whose_far_positions_start_at_the_window_fails_only_string_and_dual_chunk(monkeypatch):
     """The plan's far origin o set to the window w (where every other method has it): only
-    STRING's rows, whose far positions start again at its local value, are wrong."""
+    STRING's rows, whose far positions start again at its local value, and dual-chunk's, whose
+    far query stands at its chunk size, are wrong."""
     passed, wrong = rows_wrong_under(monkeypatch, lambda plan: dataclasses.replace(plan, far_origin=plan.window))
-    assert not passed and wrong == {"string"}
+    assert not passed and wrong == {"string", "dual_chunk"}
+
+
+def test_a_kernel_without_chunks_fails_only_dual_chunk(monkeypatch):
+    """The plan's chunk length s set to 0: only dual-chunk's rows, whose far keys stand at
+    ``n mod s`` and whose window follows the query, are wrong."""
+    passed, wrong = rows_wrong_under(monkeypatch,
+                                     lambda plan: dataclasses.replace(plan, chunk_length=plan.chunk_length * 0))
+    assert not passed and wrong == {"dual_chunk"}
 
 
 def test_a_dynamic_factor_that_never_steps_fails_only_its_rows(monkeypatch):

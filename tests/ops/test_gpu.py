@@ -22,7 +22,8 @@ from rope_plugins.rules.settings import METHOD_NAMES, ExtensionSettings
 from tests.attention.test_attention import TRAIN, paged_step
 
 WINDOWED = {"rerope": dict(window=37), "leaky_rerope": dict(window=20, leaky_k=4.0),
-            "self_extend": dict(window=20, group=4), "string": dict(shift=25, local=6)}
+            "self_extend": dict(window=20, group=4), "string": dict(shift=25, local=6),
+            "dual_chunk": dict(chunk_size=64, local_window=0)}
 FACTORS = {"pi": 4.0, "ntk_old": 8.0, "ntk_fixed": 4.0, "ntk_mixed": 4.0, "yarn": 4.0}
 
 
@@ -30,7 +31,7 @@ def settings(method: str, log_n: bool, **fields) -> ExtensionSettings:
     chosen = {**WINDOWED.get(method, {}), **fields}
     if method in FACTORS:
         chosen.setdefault("factor", FACTORS[method])
-    return ExtensionSettings(method=method, log_n=log_n, train_length=TRAIN, **chosen)
+    return ExtensionSettings(method=method, log_n=log_n, **{"train_length": TRAIN, **chosen})
 
 
 def every_method_rows(context: int, new: int) -> list:
@@ -53,6 +54,10 @@ MIXED_ROWS = [
     (settings("none", False), 0, 18),
     (settings("self_extend", True, window=12, group=8), 40, 30),
     (settings("string", False, shift=19, local=3), 25, 30),
+    # dual-chunk in chunks of 64 (local window 10): a prefill across two chunk edges, a decode
+    # row whose chunk before is still near
+    (settings("dual_chunk", True, chunk_size=74, local_window=10, train_length=80), 50, 100),
+    (settings("dual_chunk", False, chunk_size=74, local_window=10, train_length=80), 133, 1),
     # ntk_dynamic's θ steps at 64 and 192 inside these chunks: cut into rows of one θ each
     (settings("ntk_dynamic", True), 0, 70),
     (settings("ntk_dynamic", False), 170, 40),
