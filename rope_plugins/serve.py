@@ -39,6 +39,7 @@ import importlib.metadata
 import json
 import shlex
 import sys
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +178,15 @@ def serve_command(model: str, *, defaults: dict[str, Any] | None = None, max_mod
     return groups
 
 
+def _number_type(annotation) -> type:
+    return float if float in (annotation, *typing.get_args(annotation)) else int
+
+
+# every numeric settings field as a default flag (train_length is the checkpoint's)
+DEFAULT_NUMBERS = {name: _number_type(field.annotation) for name, field in ExtensionSettings.model_fields.items()
+                   if name not in ("method", "log_n", "train_length")}
+
+
 def shell_command(groups: list[tuple[str, ...]]) -> str:
     return " \\\n    ".join(shlex.join(group) for group in groups)
 
@@ -192,14 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, help="longest prompt + completion served (default: the "
                                                           "checkpoint's training length)")
     parser.add_argument("--method", choices=METHOD_NAMES, help="the default extension method")
-    for name, kind in (("window", int), ("factor", float), ("leaky_k", float), ("beta", float), ("group", int)):
+    for name, kind in DEFAULT_NUMBERS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, help=f"the default {name}")
     parser.add_argument("--log-n", action="store_true", default=None, help="log-n query scaling by default")
     parser.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
                         help="serve per-request settings (with prefix caching on, only the default is served)")
     args = vars(parser.parse_args(argv))
-    defaults = {name: args[name] for name in ("method", "window", "factor", "leaky_k", "beta", "group", "log_n")
-                if args[name] is not None}
+    defaults = {name: args[name] for name in ("method", *DEFAULT_NUMBERS, "log_n") if args[name] is not None}
     try:
         groups = serve_command(args["checkpoint"], defaults=defaults, max_model_len=args["max_model_len"],
                                prefix_caching=args["prefix_caching"])

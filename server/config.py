@@ -46,6 +46,10 @@ class ServerConfig(BaseModel):
     group: int | None = Field(None, description="default Self-Extend group size")
     shift: int | None = Field(None, description="default STRING shift (default: training length / 3)")
     local: int | None = Field(None, description="default STRING local value (default: 128, at most shift / 2)")
+    chunk_size: int | None = Field(None, description="default dual-chunk chunk size: the largest relative position "
+                                                      "(default: 3/4 of the training length, as ChunkLlama)")
+    local_window: int | None = Field(None, description="default dual-chunk local window; chunks are chunk_size - "
+                                                        "local_window long (default: training length / 16)")
     log_n: bool = Field(False, description="default log-n query scaling")
     dtype: str = Field("float32", description="model dtype: float32, bfloat16, or auto: bfloat16 on a CPU with "
                        "bfloat16 dot products (AVX512_BF16 or AMX), float32 on other CPUs, the checkpoint's on a GPU")
@@ -84,7 +88,7 @@ class ServerConfig(BaseModel):
     def extension_defaults(self) -> dict[str, Any]:
         """The request defaults given by the flags (``method`` may be 'auto')."""
         fields = {"method": self.method, "log_n": self.log_n}
-        for name in ("window", "factor", "leaky_k", "beta", "group", "shift", "local"):
+        for name in ("window", "factor", "leaky_k", "beta", "group", "shift", "local", "chunk_size", "local_window"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         return fields

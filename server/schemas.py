@@ -100,6 +100,12 @@ class ContextExtension(BaseModel):
                              "than train_length")] = None
     local: Annotated[int | None, SkipValidation, settings_field_schema(
         "local", description="STRING's local value W: where the shifted positions start; smaller than shift")] = None
+    chunk_size: Annotated[int | None, SkipValidation, settings_field_schema(
+        "chunk_size", description="dual-chunk attention's chunk size C: the largest relative position; at most "
+                                  "train_length, and C - local_window a multiple of 64 above local_window")] = None
+    local_window: Annotated[int | None, SkipValidation, settings_field_schema(
+        "local_window", description="dual-chunk attention's local window: chunks are chunk_size - local_window "
+                                    "long")] = None
     log_n: Annotated[bool | None, SkipValidation, settings_field_schema("log_n")] = None
     train_length: Annotated[int | None, SkipValidation, settings_field_schema(
         "train_length", description="at most the longer of the served context and the checkpoint's training "

@@ -38,15 +38,15 @@ def shut_down_after(llm):
         llm.llm_engine.engine_core.shutdown()
 
 
-def running_engine(model_dir, **engine):
-    """The plugin's engine on ``model_dir`` (the test defaults, overridden by ``engine``), shut
-    down on exit."""
+def running_engine(model_dir, defaults=ENGINE_DEFAULTS, **engine):
+    """The plugin's engine on ``model_dir`` (the test defaults, overridden by ``engine``; None
+    ``defaults``: the checkpoint's own), shut down on exit."""
     from vllm import LLM
 
     from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs
 
     compute_on_every_core(int(engine.get("tensor_parallel_size", 1)))
-    kwargs = engine_kwargs(str(model_dir), defaults=ENGINE_DEFAULTS, max_model_len=MAX_MODEL_LEN,
+    kwargs = engine_kwargs(str(model_dir), defaults=defaults, max_model_len=MAX_MODEL_LEN,
                            **{**TINY_ENGINE, **engine})
     return shut_down_after(LLM(**kwargs))
 

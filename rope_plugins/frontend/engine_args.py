@@ -14,27 +14,46 @@ from __future__ import annotations
 import glob
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm import SamplingParams
 
 from rope_plugins.plugin import ATTENTION_OPS, FAMILIES, OPS_KEY, extended_architecture
-from rope_plugins.rules.checkpoint import UnsupportedCheckpoint, checkpoint_rotary
+from rope_plugins.rules.checkpoint import (
+    DUAL_CHUNK_CONFIG,
+    UnsupportedCheckpoint,
+    checkpoint_rotary,
+    declared_extension,
+)
 from rope_plugins.rules.settings import CONFIG_KEY, EXTRA_ARGS_KEY, SALTED_KEY, ExtensionSettings, parse_settings
 from rope_plugins.worker.requests import RequestSettingsAdmission, RequestSettingsTracker
 
 
-def checkpoint_facts(model: str) -> tuple[str, int]:
-    """The checkpoint's architecture and the length it was trained at (see
-    :mod:`rope_plugins.rules.checkpoint`); a family the plugin does not serve is refused, named."""
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What the engine's configuration needs of a checkpoint (:mod:`rope_plugins.rules.checkpoint`)."""
+
+    architecture: str
+    train_length: int
+    declared: dict[str, Any]  # the extension it declares, as settings fields (Qwen2.5-1M's dual chunks)
+
+    def settings(self, fields: dict[str, Any] | None) -> ExtensionSettings:
+        """``fields`` over the declared extension over each field's default at the training length."""
+        return parse_settings(fields, parse_settings(self.declared, ExtensionSettings(train_length=self.train_length)))
+
+
+def checkpoint_facts(model: str) -> CheckpointFacts:
+    """The checkpoint's architecture, the length it was trained at and the extension it declares;
+    a family the plugin does not serve is refused, named."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
     if architecture not in FAMILIES:
         raise UnsupportedCheckpoint(f"architecture {architecture} is not served; served: {', '.join(FAMILIES)}")
-    return architecture, checkpoint_rotary(config).train_length
+    return CheckpointFacts(architecture, checkpoint_rotary(config).train_length, declared_extension(config))
 
 
 # vLLM's CPU workers keep one core per worker free for the scheduler process, which mostly
@@ -123,7 +142,7 @@ def v2_model_runner() -> bool:
 def default_settings(model: str, fields: dict[str, Any] | None) -> ExtensionSettings:
     """The engine's default settings for ``model``: ``fields`` (of ExtensionSettings) over each
     field's own default at the checkpoint's training length; raises SettingsError."""
-    return parse_settings(fields, ExtensionSettings(train_length=checkpoint_facts(model)[1]))
+    return checkpoint_facts(model).settings(fields)
 
 
 def plugin_engine_config(model: str, *, defaults: dict[str, Any] | ExtensionSettings | None = None,
@@ -145,15 +164,17 @@ def plugin_engine_config(model: str, *, defaults: dict[str, Any] | ExtensionSett
     """
     if attention_ops not in (None, *ATTENTION_OPS):
         raise ValueError(f"attention_ops must be one of {ATTENTION_OPS}, not {attention_ops!r}")
-    architecture, train_length = checkpoint_facts(model)
-    settings = defaults if isinstance(defaults, ExtensionSettings) else parse_settings(
-        defaults, ExtensionSettings(train_length=train_length))
+    facts = checkpoint_facts(model)
+    architecture, train_length = facts.architecture, facts.train_length
+    settings = defaults if isinstance(defaults, ExtensionSettings) else facts.settings(defaults)
     served = max_model_len or train_length
     if served > train_length and settings.is_plain_rope:
         raise ValueError(
             f"max_model_len {served} is past the checkpoint's training length {train_length}: "
             "choose a default extension method (defaults={'method': ...})")
-    overrides = {**(hf_overrides or {}),
+    # a declared extension runs in the plugin's attention, from the settings: the stock model must not build its own
+    declared = {DUAL_CHUNK_CONFIG: None} if facts.declared else {}
+    overrides = {**(hf_overrides or {}), **declared,
                  "architectures": [extended_architecture(architecture)],
                  CONFIG_KEY: settings.model_dump(),
                  "max_position_embeddings": max(served, train_length)}

@@ -26,7 +26,7 @@ from vllm.v1.attention.backend import AttentionType
 
 from rope_plugins.attention.backend import RopeExtendAttentionBackend
 from rope_plugins.plugin import extended_architecture
-from rope_plugins.rules.checkpoint import UnsupportedCheckpoint, checkpoint_rotary
+from rope_plugins.rules.checkpoint import DUAL_CHUNK_CONFIG, UnsupportedCheckpoint, checkpoint_rotary
 from rope_plugins.worker.requests import check_settings_policy
 
 
@@ -74,8 +74,10 @@ def extended(stock: type[nn.Module]) -> type[nn.Module]:
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
         hf_config = vllm_config.model_config.hf_config
-        if getattr(hf_config, "dual_chunk_attention_config", None):
-            raise UnsupportedCheckpoint("dual-chunk attention configs are not served")
+        if getattr(hf_config, DUAL_CHUNK_CONFIG, None):  # plugin_engine_config turns it into the default settings
+            raise UnsupportedCheckpoint(f"its {DUAL_CHUNK_CONFIG} is served as the default dual_chunk settings: start "
+                                        "the engine with rope_plugins.frontend.engine_args.engine_kwargs (or "
+                                        "python -m rope_plugins.serve), not from the config as it is")
         checkpoint_rotary(hf_config)  # refuses, naming why, a rotary the plugin cannot apply exactly
         check_settings_policy(vllm_config)  # no request reads K/V cached under other settings
         stock.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)

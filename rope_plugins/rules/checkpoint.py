@@ -11,6 +11,12 @@ Kinds served: ``default`` (``b^(-2i/d)``), ``linear`` (divided by its factor), `
 factor on q and k). The training length is ``original_max_position_embeddings`` for ``yarn``
 (the scaling is applied at inference beyond it) and ``max_position_embeddings`` otherwise:
 ``linear`` and ``llama3`` checkpoints were trained with their scaled table at that length.
+
+A checkpoint may also declare an extension of its own: Qwen2.5-1M's
+``dual_chunk_attention_config`` (``chunk_size``, ``local_size``, trained at its
+``original_max_position_embeddings``) is dual-chunk attention, served as the engine's default
+settings (:func:`declared_extension`) rather than by the stock model, whose dual-chunk rotary
+and attention vLLM's V1 engine no longer runs.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ def checkpoint_rotary(hf_config: Any, layer_type: str = FULL_ATTENTION) -> Check
         raise UnsupportedCheckpoint(f"partial rotation (partial_rotary_factor={partial}) is not served")
     if kind not in KINDS:
         raise UnsupportedCheckpoint(f"rotary kind {kind!r} is not served; served kinds: {', '.join(KINDS)}")
-    length = int(hf_config.max_position_embeddings)
+    length = declared_train_length(hf_config)
     attention_factor = 1.0
     if kind == "default":
         theta = rope_inv_freq(head_dim, base)
@@ -105,3 +111,26 @@ def _yarn(parameters: dict[str, Any], head_dim: int, base: float, length: int) -
         else:
             attention_factor = yarn_attention_factor(factor)
     return theta, float(attention_factor), original
+
+
+DUAL_CHUNK_CONFIG = "dual_chunk_attention_config"  # Qwen2.5-1M's
+
+
+def declared_train_length(hf_config: Any) -> int:
+    """``max_position_embeddings``, or the length a declared dual-chunk config was trained at."""
+    dual_chunk = getattr(hf_config, DUAL_CHUNK_CONFIG, None) or {}
+    return int(dual_chunk.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
+
+
+def declared_extension(hf_config: Any) -> dict[str, Any]:
+    """The extension the checkpoint declares, as settings fields (empty when none): Qwen2.5-1M's
+    dual-chunk config is ``dual_chunk`` at its chunk size and local size. Its sparse attention
+    (MInference's, in vLLM 0.8's implementation) is not served: every key is attended to."""
+    dual_chunk = getattr(hf_config, DUAL_CHUNK_CONFIG, None)
+    if not dual_chunk:
+        return {}
+    try:
+        return {"method": "dual_chunk", "chunk_size": int(dual_chunk["chunk_size"]),
+                "local_window": int(dual_chunk["local_size"])}
+    except (KeyError, TypeError, ValueError) as error:
+        raise UnsupportedCheckpoint(f"{DUAL_CHUNK_CONFIG} needs integer chunk_size and local_size: {error!r}") from None

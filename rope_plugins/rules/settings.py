@@ -164,8 +164,8 @@ class ExtensionSettings(BaseModel):
             raise ValueError(f"must be at most train_length ({train_length}): it is the largest relative position "
                              f"a query sees, got {size}")
         if chunk_length <= local_window:
-            raise ValueError(f"chunk_size ({size}) minus local_window ({local_window}) must exceed local_window: "
-                             "the chunk length s = chunk_size - local_window is larger than the local window")
+            raise ValueError(f"chunk_size ({size}) minus local_window ({local_window}), the chunk length, must "
+                             "exceed local_window")
         if chunk_length % DUAL_CHUNK_ALIGN:
             raise ValueError(f"chunk_size ({size}) minus local_window ({local_window}) must be a multiple of "
                              f"{DUAL_CHUNK_ALIGN}, got {chunk_length}")

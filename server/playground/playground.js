@@ -7,7 +7,7 @@ const KEY_STORE = "rope-extend-api-key"; // sessionStorage: gone when the tab cl
 const MAX_COLUMNS = 4;
 const COUNT_DELAY_MS = 400; // count tokens once typing pauses, not on every key
 const FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
-const NUMBER_FIELDS = ["window", "leaky_k", "group", "shift", "local", "beta"];
+const NUMBER_FIELDS = ["window", "leaky_k", "group", "shift", "local", "chunk_size", "local_window", "beta"];
 
 const page = { model: null, trainLength: 0, servedMax: 0, methods: { auto: [] }, defaultMethod: "auto" };
 

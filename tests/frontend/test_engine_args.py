@@ -42,6 +42,9 @@ METHODS = [
     # STRING: the default shift (256 / 3) and local value, and a wider shift with log-n
     {"method": "string"},
     {"method": "string", "shift": 100, "local": 20, "log_n": True},
+    # dual-chunk: the defaults (chunk size 144, local window 16: chunks of 128) and chunks of 64 with log-n
+    {"method": "dual_chunk"},
+    {"method": "dual_chunk", "chunk_size": 100, "local_window": 36, "log_n": True},
 ]
 
 
@@ -183,6 +186,16 @@ def test_ntk_dynamic_decodes_across_a_step_of_its_factor(full_engine, chunked_en
         assert_matches_oracle(result, ids, fields, reference_model, engine_defaults)
 
 
+def test_dual_chunk_decodes_across_a_chunk_edge(full_engine, chunked_engine, reference_model, engine_defaults):
+    """Generated tokens cross the chunk edge at 640 (chunks of 64 and of 128), where the keys'
+    positions start again and the chunk before turns near: in one prefill and in chunks of 64."""
+    ids = prompt(720, 637)
+    requests = [(ids, fields) for fields in METHODS if fields["method"] == "dual_chunk"]
+    for llm in (full_engine, chunked_engine):
+        for result, (_, fields) in zip(run(llm, requests, engine_defaults), requests):
+            assert_matches_oracle(result, ids, fields, reference_model, engine_defaults)
+
+
 def test_ntk_dynamic_reuses_a_cached_prefix_of_another_length(full_engine, reference_model, engine_defaults):
     """A position's θ depends on the tokens before it, not on the request's length, so the K/V
     of a prefix are the same in every ntk_dynamic request (at one train_length): a longer
@@ -314,7 +327,7 @@ def test_the_worker_computes_on_every_core(full_engine):
 
 
 BF16_METHODS = [fields for fields in METHODS if fields["method"] in ("none", "rerope", "leaky_rerope", "ntk_mixed",
-                                                                     "yarn", "self_extend", "string")]
+                                                                     "yarn", "self_extend", "string", "dual_chunk")]
 
 
 def oracle_error(result: Generation, ids, fields, reference_model, defaults) -> float:

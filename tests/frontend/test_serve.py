@@ -12,6 +12,7 @@ vLLM's own parser.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -151,6 +152,17 @@ def test_the_printed_command_is_engine_kwargs_read_by_vllms_parser(tiny_llama_di
     assert args.logits_processors == ["rope_plugins.serve:SettingsTracker"]
     assert args.middleware == ["rope_plugins.serve.EngineSettings"]
     assert args.enable_prefix_caching is False
+
+
+def test_every_numeric_setting_is_a_default_flag(tiny_llama_dir, capsys):
+    """STRING's and dual-chunk's fields too: each flag reaches the engine's default settings."""
+    serve.main([str(tiny_llama_dir), "--method", "dual_chunk", "--chunk-size", "138", "--local-window", "10",
+                "--shift", "90", "--local", "7", "--max-model-len", str(MAX_MODEL_LEN)])
+    words = shlex.split(capsys.readouterr().out.replace("\\\n", " "))
+    overrides = json.loads(words[words.index("--hf-overrides") + 1])
+    assert {name: overrides["rope_extension"][name] for name in ("method", "chunk_size", "local_window", "shift",
+                                                                 "local")} == {
+        "method": "dual_chunk", "chunk_size": 138, "local_window": 10, "shift": 90, "local": 7}
 
 
 # ---- one vllm serve process --------------------------------------------------------------------

@@ -23,7 +23,8 @@ MIXED = [{"method": "none"}, {"method": "rerope", "window": 37}, {"method": "lea
          {"method": "ntk_mixed", "factor": 4.0, "log_n": True}, {"method": "yarn", "factor": 4.0},
          {"method": "pi", "factor": 2.0}, {"method": "ntk_old", "factor": 4.0}, {"method": "ntk_fixed", "factor": 3.0},
          {"method": "self_extend", "window": 40, "group": 4}, {"method": "ntk_dynamic"},
-         {"method": "string", "shift": 90, "local": 10}]
+         {"method": "string", "shift": 90, "local": 10},
+         {"method": "dual_chunk", "chunk_size": 138, "local_window": 10}]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -75,3 +76,27 @@ def test_every_method_mixed_and_chunked_matches_the_oracle_and_alone(family):
         [alone] = run(family["plugin"], [request], family["defaults"])
         assert_close_logprobs(alone.prompt_logprobs, in_batch.prompt_logprobs, f"{request[1]} alone")
         assert alone.tokens == in_batch.tokens, request[1]
+
+
+# Qwen2.5-7B-Instruct-1M's dual-chunk config in small: chunks of 138 - 10 = 128, trained at 256
+QWEN_1M_STYLE = {"chunk_size": 138, "local_size": 10, "original_max_position_embeddings": TRAIN_LENGTH}
+
+
+@pytest.mark.slow
+def test_a_qwen2_5_1m_dual_chunk_config_is_served_as_its_default(tmp_path):
+    """A checkpoint that declares ``dual_chunk_attention_config`` (stock vLLM's V1 engine no longer
+    runs it) starts with dual_chunk at its chunk and local sizes as the engine's defaults, trained
+    at its ``original_max_position_embeddings``; a prompt of five chunks and a decode across a
+    chunk edge answer as the oracle (ChunkLlama's formulas) does."""
+    from rope_plugins.rules.settings import ExtensionSettings
+    from tests.conftest import running_engine
+    from tests.support.reference_forward import ReferenceModel
+
+    directory = make_tiny_model(tmp_path, "qwen2", seed=5, config={"dual_chunk_attention_config": QWEN_1M_STYLE,
+                                                                     "max_position_embeddings": 4 * TRAIN_LENGTH})
+    declared = ExtensionSettings(method="dual_chunk", chunk_size=138, local_window=10, train_length=TRAIN_LENGTH)
+    ids = prompt(730, 637)  # decoding crosses the chunk edge at 640
+    with running_engine(directory, defaults=None) as llm:
+        assert llm.llm_engine.model_config.hf_config.rope_extension == declared.model_dump()
+        [result] = run(llm, [(ids, None)], declared)
+    assert_matches_oracle(result, ids, None, ReferenceModel(directory), declared)

@@ -26,7 +26,8 @@ ATTENTION_OPS = ["cpu", "triton"]
 MIXED = [{"method": "rerope", "window": 37}, {"method": "leaky_rerope", "window": 50, "leaky_k": 3.0, "log_n": True},
          {"method": "yarn", "factor": 4.0}, {"method": "ntk_mixed", "factor": 4.0}, {"method": "none"},
          {"method": "self_extend", "window": 40, "group": 4}, {"method": "ntk_dynamic", "log_n": True},
-         {"method": "string", "shift": 90, "local": 10}]
+         {"method": "string", "shift": 90, "local": 10},
+         {"method": "dual_chunk", "chunk_size": 138, "local_window": 10}]
 
 
 @pytest.fixture(scope="module", params=ATTENTION_OPS)

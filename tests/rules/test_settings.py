@@ -152,3 +152,43 @@ def test_string_hash_covers_shift_and_local_only():
                                                    DEFAULTS).canonical_hash()
     assert base.canonical_hash() == parse_settings({"method": "string", "shift": 1000, "window": 77},
                                                    DEFAULTS).canonical_hash()
+
+
+def test_dual_chunk_defaults_are_chunkllamas_and_follow_what_they_derive_from():
+    """ChunkLlama's chunk size 3L/4 and local window L/16 (chunks of 5632 at 8192), the chunk
+    size cut so that its chunks are whole 64s; each recomputed when what it derives from is given."""
+    assert (DEFAULTS.chunk_size, DEFAULTS.local_window) == (6144, 512)
+    shorter = parse_settings({"method": "dual_chunk", "train_length": 1000}, DEFAULTS)
+    assert (shorter.chunk_size, shorter.local_window) == (62 + 640, 62)  # 750 - 62 = 688 cut to 640
+    assert parse_settings({"method": "dual_chunk", "local_window": 100}, DEFAULTS).chunk_size == 100 + 6016
+    qwen_1m = parse_settings({"method": "dual_chunk", "train_length": 262144, "chunk_size": 262144,
+                              "local_window": 8192}, DEFAULTS)  # Qwen2.5-7B-Instruct-1M's config
+    assert qwen_1m.chunk_size - qwen_1m.local_window == 253952
+
+
+@pytest.mark.parametrize("fields,field,words", [
+    ({"chunk_size": 1000}, "chunk_size", "must exceed local_window"),
+    ({"chunk_size": 6145}, "chunk_size", "multiple of 64"),
+    ({"chunk_size": 8256, "local_window": 64}, "chunk_size", "at most train_length (8192)"),
+    ({"chunk_size": 0}, "chunk_size", "greater than 0"),
+    ({"local_window": -1}, "local_window", "greater than or equal to 0"),
+    ({"local_window": 4000, "chunk_size": 8000}, "chunk_size", "must exceed local_window"),
+    ({"train_length": 64}, "chunk_size", "at most train_length (64)"),  # defaults that cannot fit
+])
+def test_bad_dual_chunk_fields_name_themselves(fields, field, words):
+    with pytest.raises(SettingsError) as error:
+        parse_settings({"method": "dual_chunk", **fields}, DEFAULTS)
+    assert error.value.field == field and words in error.value.reason
+
+
+def test_dual_chunk_fields_are_checked_for_dual_chunk_alone():
+    """Defaults that could not chunk (a training length of 64) are no error for other methods."""
+    assert parse_settings({"method": "rerope", "train_length": 64}, DEFAULTS).chunk_size == 68
+
+
+def test_dual_chunk_hash_covers_chunk_size_and_local_window_only():
+    base = parse_settings({"method": "dual_chunk"}, DEFAULTS)
+    assert base.canonical() == {"method": "dual_chunk", "chunk_size": 6144, "local_window": 512}
+    assert base.canonical_hash() != parse_settings({"method": "dual_chunk", "chunk_size": 6208},
+                                                   DEFAULTS).canonical_hash()
+    assert base.canonical_hash() == parse_settings({"method": "dual_chunk", "shift": 77}, DEFAULTS).canonical_hash()

@@ -522,6 +522,9 @@ def post(server, path, body, key=API_KEY):
     ({"method": "self_extend", "group": 3}, "context_extension.group"),
     ({"method": "string", "shift": 9000}, "context_extension.shift"),
     ({"method": "string", "shift": 100, "local": 100}, "context_extension.local"),
+    ({"method": "dual_chunk", "chunk_size": 1000}, "context_extension.chunk_size"),
+    ({"method": "dual_chunk", "chunk_size": 20000}, "context_extension.chunk_size"),
+    ({"method": "dual_chunk", "local_window": -1}, "context_extension.local_window"),
 ])
 def test_bad_extension_field_is_a_400_naming_it(server, client, extension, param):
     with Concurrently(client):

@@ -46,13 +46,19 @@ def family_config(family: str, rope: dict | None = None):
     raise ValueError(f"no tiny {family}")
 
 
-def make_tiny_model(directory: Path, family: str = "llama", seed: int = 0, rope: dict | None = None) -> Path:
+def make_tiny_model(directory: Path, family: str = "llama", seed: int = 0, rope: dict | None = None,
+                    config: dict | None = None) -> Path:
+    """A tiny ``family`` checkpoint in ``directory``; ``config``: attributes set on its config
+    (what transformers' model of the family does not read, such as Qwen2.5-1M's dual-chunk config)."""
     from transformers import AutoModelForCausalLM
 
     if (directory / "config.json").exists():
         return directory
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family, rope), dtype=torch.float32)
+    declared = family_config(family, rope)
+    for name, value in (config or {}).items():
+        setattr(declared, name, value)
+    model = AutoModelForCausalLM.from_config(declared, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init, so attention is far from uniform
         for name, parameter in model.named_parameters():
             if "proj" in name:
