@@ -6,7 +6,7 @@
 
 Starts ``python -m rope_plugins.server`` on SmolLM2-135M-Instruct (trained at 8,192 tokens) and, over HTTP
 with the openai client, for each method (none, pi, ntk_old, ntk_fixed, ntk_mixed, yarn,
-rerope, leaky_rerope, self_extend, ntk_dynamic; each with and without log_n; the frequency
+rerope, leaky_rerope, self_extend, ntk_dynamic, string, dual_chunk; each with and without log_n; the frequency
 methods also with ``factor: "auto"``; and the server's ``auto``) and context length:
 
 * **loss**: mean next-token negative log-likelihood over the last 4,096 tokens of a text
@@ -53,7 +53,7 @@ from rope_plugins.rules.settings import AUTO, ExtensionSettings, length_factor, 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope", "self_extend",
-           "ntk_dynamic", "auto"]
+           "ntk_dynamic", "string", "dual_chunk", "auto"]
 # the methods with a factor: each is measured at its fixed default and sized to the request (factor "auto")
 SIZED_METHODS = ["pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn"]
 TRAIN_LENGTH = 8192

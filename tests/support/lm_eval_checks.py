@@ -1,9 +1,10 @@
 """EleutherAI's lm-evaluation-harness (``lm-eval``, the bench extra) end to end against a
 running server: helpers for the tests, not a test module.
 
-lm-eval runs as a subprocess (its own CLI, ``python -m lm_eval run``) with its OpenAI-compatible
-API models, on two small tasks defined in ``tests/support/lm_eval_tasks/`` from local data (no
-Hugging Face Hub; ``capitals.jsonl``, 28 countries, written by ``make_capitals.py``):
+lm-eval runs as a subprocess (its own CLI, ``python -m lm_eval run``:
+``rope_plugins/testing/lm_eval_runs.py``) with its OpenAI-compatible API models, on two small
+tasks defined in ``tests/support/lm_eval_tasks/`` from local data (no Hugging Face Hub;
+``capitals.jsonl``, 28 countries, written by ``make_capitals.py``):
 
 - ``capitals_mc``, loglikelihood: four capitals, which is the country's; ``--model
   local-completions`` (prompt log-probabilities: ``echo`` + ``logprobs`` on ``/v1/completions``;
@@ -38,15 +39,11 @@ echo), so it cannot carry one: start the server with ``--method`` etc. for that.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from rope_plugins.testing import lm_eval_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS_DIR = ROOT / "tests" / "support" / "lm_eval_tasks"
@@ -77,50 +74,10 @@ def default_tokenizer() -> Path:
 def run_lm_eval(model_type: str, model_args: dict[str, Any], task: str, tmp_path: Path, *,
                 api_key: str | None = None, limit: int | None = None, apply_chat_template: bool = False,
                 gen_kwargs: dict[str, Any] | None = None, timeout: float = 600) -> dict[str, Any]:
-    """Runs ``python -m lm_eval run`` on one task of tests/support/lm_eval_tasks and returns
-    {"task", "model_type", "metrics" (name -> value, lm-eval's ",none" filter suffix dropped),
-    "n" (items evaluated), "samples" (lm-eval's per-item records, each with "resps" and the
-    metrics), "results" (lm-eval's whole results JSON), "command", "wall_s", "log" (its output)}.
-    Raises RuntimeError with lm-eval's output when it fails (a request that fails once fails the
-    run: max_retries=1 unless model_args says otherwise)."""
-    out = Path(tempfile.mkdtemp(prefix=f"lm_eval_{task}_{model_type}_", dir=tmp_path))
-    args = {"max_retries": 1, **model_args}
-    command = [sys.executable, "-m", "lm_eval", "run", "--model", model_type,
-               "--model_args", ",".join(f"{key}={value}" for key, value in args.items()),
-               "--tasks", task, "--include_path", str(TASKS_DIR),
-               "--output_path", str(out), "--log_samples"]
-    if limit is not None:
-        command += ["--limit", str(limit)]
-    if apply_chat_template:
-        command.append("--apply_chat_template")
-    if gen_kwargs:
-        command += ["--gen_kwargs", json.dumps(gen_kwargs)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_DATASETS_CACHE": str(Path(tmp_path) / "hf_datasets"), "NO_COLOR": "1"}
-    env.pop("OPENAI_API_KEY", None)  # never a key of the caller's environment to a local server
-    if api_key is not None:
-        env["OPENAI_API_KEY"] = api_key  # lm-eval's local-* models send it as a bearer token
-    start = time.monotonic()
-    # the task YAMLs name their data file relative to the repository root
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.monotonic() - start
-    log = run.stdout + run.stderr
-    if run.returncode != 0:
-        # the server's answers come first (lm-eval logs each failed request's status and body)
-        failed = [line for line in log.splitlines() if "API request failed" in line][:3]
-        raise RuntimeError(f"lm-eval exited {run.returncode}: {' '.join(command)}\n"
-                           + "".join(f"{line[-2000:]}\n" for line in failed) + f"... its output ends:\n{log[-4000:]}")
-    found = sorted(out.rglob("results_*.json"))
-    if not found:
-        raise RuntimeError(f"lm-eval wrote no results under {out}\n{log[-6000:]}")
-    results = json.loads(found[-1].read_text())
-    samples_files = sorted(out.rglob(f"samples_{task}_*.jsonl"))
-    samples = [json.loads(line) for line in samples_files[-1].read_text().splitlines()] if samples_files else []
-    metrics = {key.split(",")[0]: value for key, value in results["results"][task].items()
-               if "," in key and "_stderr" not in key}  # "acc,none": metric "acc", filter "none"
-    return {"task": task, "model_type": model_type, "metrics": metrics,
-            "n": results["n-samples"][task]["effective"], "samples": samples, "results": results,
-            "command": command, "wall_s": wall, "log": log}
+    """:func:`rope_plugins.testing.lm_eval_runs.run_lm_eval` on one task of tests/support/lm_eval_tasks."""
+    return lm_eval_runs.run_lm_eval(model_type, model_args, task, tmp_path, api_key=api_key, timeout=timeout,
+                                    include_path=TASKS_DIR, limit=limit, apply_chat_template=apply_chat_template,
+                                    gen_kwargs=gen_kwargs)
 
 
 def run_loglikelihood_task(base_url: str, model: str, tmp_path: Path, *, api_key: str | None = None,

@@ -1,0 +1,339 @@
+"""RULER (Hsieh et al., 2024), the long-context benchmark papers report, through EleutherAI's
+lm-eval against this server: every extension setting at 4k to 32k tokens.
+
+    .venv/bin/python bench/ruler.py --model SmolLM2-135M-Instruct   # resumable; --budget-minutes N
+    .venv/bin/python bench/ruler.py --table --readme                # ruler.json/.png and its README block
+
+For each model, length, task and setting, one run of lm-eval's CLI (``--model
+local-completions``, the prompts as the model's token ids) with ``--limit`` samples and the
+setting in every request's body (``--gen_kwargs '{"context_extension": ...}'``), against a
+server started for the model. lm-eval builds RULER's samples itself from a fixed seed (the same
+first samples for every setting), sized by the model's own tokenizer (``--metadata
+'{"max_seq_lengths": [L], "pretrained": <its directory>}'``).
+
+- **Tasks**: those lm-eval builds offline (:data:`TASKS`). Those built on Paul Graham's essays
+  (niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery) and the QA tasks
+  (SQuAD, HotpotQA) download their text: left out (:data:`LEFT_OUT`).
+- **Models**: SmolLM2-135M (trained at 8,192) and Qwen2.5-Coder-0.5B at a pretend training length of
+  4,096 (every setting names ``train_length: 4096``), so both run from inside training to 4-8x past it.
+- **Settings**: plain RoPE, ReRoPE, Leaky ReRoPE, Self-Extend, YaRN (its factor sized to the
+  request), dual-chunk attention, STRING, each also with log-n, and the server's ``auto``.
+  Inside the training length log-n is 1 at every position, so its rows are not run twice there.
+
+Each run's per-sample scores (RULER's: the share of the expected strings in the answer) land in
+``bench/results/ruler_runs.jsonl`` as it ends; a rerun skips what is there. The summary
+(``ruler.json``, ``ruler.png``) gives each score with a 95% Wilson interval over its samples,
+against the model's own 4k score, and the effective length: the longest length whose score stays
+at or above 85.6% of the model's own 4k score (RULER's threshold is Llama-2-7B's 4k score, 85.6,
+an absolute bar no 135M model reaches; scaled here to each model's own start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+STEM = "ruler"
+TASKS = ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe"]
+LEFT_OUT = {"niah_single_2": "essays", "niah_single_3": "essays", "niah_multikey_1": "essays",
+            "niah_multivalue": "essays", "niah_multiquery": "essays", "ruler_qa_squad": "SQuAD",
+            "ruler_qa_hotpot": "HotpotQA"}
+LENGTHS = [4096, 8192, 16384, 32768]
+# the model's served name: the training length its requests name (None: its own)
+MODELS = {"SmolLM2-135M-Instruct": None, "Qwen2.5-Coder-0.5B-Instruct": 4096}
+SETTINGS = [{"method": "none"}, {"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "self_extend"},
+            {"method": "yarn", "factor": "auto"}, {"method": "dual_chunk"}, {"method": "string"}]
+THRESHOLD = 0.856  # RULER's: Llama-2-7B's 4k score, as a share of the model's own 4k score here
+Z95 = 1.959964
+GENERATED_TOKENS = 128  # RULER's longest answer (niah's max_gen_toks)
+
+
+def grid(train_length: int, lengths: list[int]) -> list[tuple[int, dict]]:
+    """(length, setting) pairs: every setting, and with log-n past the training length, and auto."""
+    pairs = []
+    for length in lengths:
+        log_n = [False, True] if length > train_length else [False]
+        pairs += [(length, {**setting, **({"log_n": True} if on else {})}) for on in log_n for setting in SETTINGS]
+        pairs.append((length, {"method": "auto"}))
+    return pairs
+
+
+def label(setting: dict) -> str:
+    fields = ", ".join(f"{k}={v}" for k, v in setting.items() if k not in ("method", "train_length"))
+    return setting["method"] + (f"({fields})" if fields else "")
+
+
+def plan(model: str, own_train_length: int, lengths: list[int], tasks: list[str]) -> list[dict]:
+    """Every run of one model: its (length, setting) pairs for each task, shortest first."""
+    pretend = MODELS.get(model)
+    train_length = pretend or own_train_length
+    jobs = []
+    for length, setting in grid(train_length, lengths):
+        named = {**setting, "train_length": pretend} if pretend else setting
+        plain = label({name: value for name, value in setting.items() if name != "log_n"})
+        jobs += [{"model": model, "task": task, "length": length, "settings": named, "label": label(setting),
+                  "without_log_n": plain} for task in tasks]
+    return jobs
+
+
+def key(record: dict) -> tuple:
+    return record["model"], record["task"], record["length"], record["label"]
+
+
+def records(runs: Path) -> list[dict]:
+    return [json.loads(line) for line in runs.read_text().splitlines() if line.strip()] if runs.exists() else []
+
+
+def still_to_do(jobs: list[dict], runs: Path, samples: int) -> list[dict]:
+    """The jobs the log holds no run of with at least ``samples`` samples."""
+    done = {key(r) for r in records(runs) if r["n"] >= samples}
+    return [job for job in jobs if key(job) not in done]
+
+
+def run_job(job: dict, base: str, tokenizer: Path, samples: int, scratch: Path, api_key: str | None) -> dict:
+    """One lm-eval run of the job: its record (per-sample scores, seconds)."""
+    from rope_plugins.testing.lm_eval_runs import run_lm_eval
+
+    length = job["length"]
+    model_args = {"model": job["model"], "base_url": f"{base}/v1/completions", "tokenizer": tokenizer,
+                  "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_length": length + GENERATED_TOKENS,
+                  "timeout": 7200}
+    began = time.perf_counter()
+    result = run_lm_eval("local-completions", model_args, job["task"], scratch, api_key=api_key, timeout=6 * 3600,
+                         limit=samples, gen_kwargs={"context_extension": job["settings"]},
+                         metadata={"max_seq_lengths": [length], "pretrained": str(tokenizer)})
+    scores = [float(sample[str(length)]) for sample in result["samples"]]
+    return {**job, "n": len(scores), "scores": scores, "score": statistics.fmean(scores),
+            "seconds": round(time.perf_counter() - began, 1),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def expected_seconds(job: dict, log: list[dict], samples: int) -> float:
+    """A job's time from the log's runs at its model and length (per sample), else a guess that
+    grows with the square of the length."""
+    seen = [r["seconds"] / r["n"] for r in log if (r["model"], r["length"]) == (job["model"], job["length"])]
+    per_sample = statistics.median(seen) if seen else 4.0 * (job["length"] / 4096) ** 1.5
+    return per_sample * samples
+
+
+def measure(args: argparse.Namespace, jobs: list[dict], deadline: float) -> None:
+    """The model's jobs against ``--url`` or a server started for them (its log beside the
+    results), each appended to the log as it ends, while the next one fits before ``deadline``."""
+    from tqdm import tqdm
+
+    from rope_plugins.server.provision import provision
+    from rope_plugins.testing.launcher import running_server
+
+    log = records(args.runs)
+    work = [expected_seconds(job, log, args.samples) for job in jobs]
+    flags = ["--model", args.model, "--max-model-len", str(max(job["length"] for job in jobs) + 2 * GENERATED_TOKENS),
+             "--kv-cache-memory", str(3 << 30), "--max-num-seqs", "2", "--log-level", "warning"]
+    api_key = os.environ.get("ROPE_EXTEND_API_KEY")
+    context = None if args.url else running_server(flags, args.out_dir / f"{STEM}_server.log")
+    server = context.__enter__() if context else None
+    try:
+        base, tokenizer = (args.url or server.base).rstrip("/"), provision(args.model)
+        with tqdm(total=round(sum(work)), desc=f"RULER {args.model}", unit="s", unit_scale=True,
+                  bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
+            for number, (job, expected) in enumerate(zip(jobs, work), start=1):
+                if time.perf_counter() + expected > deadline:
+                    bar.write(f"the next run ({job['task']} {job['label']} {job['length']}, about {expected:.0f} s) "
+                              "does not fit in the budget: stopping (rerun to resume)")
+                    break
+                bar.set_postfix_str(f"{number}/{len(jobs)}: {job['task']} {job['label']} {job['length']}")
+                record = run_job(job, base, tokenizer, args.samples, args.out_dir, api_key)
+                with args.runs.open("a") as out:
+                    out.write(json.dumps(record) + "\n")
+                bar.update(round(expected))
+    except KeyboardInterrupt:
+        print("interrupted: the summary covers what finished (rerun to resume)", file=sys.stderr)
+    finally:
+        if context:
+            context.__exit__(None, None, None)
+
+
+def wilson(mean: float, n: int) -> tuple[float, float]:
+    """95% Wilson interval of a share ``mean`` over ``n`` samples."""
+    if n == 0:
+        return 0.0, 1.0
+    centre = (mean + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+    half = Z95 * math.sqrt(mean * (1 - mean) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
+    return max(0.0, min(mean, centre - half)), min(1.0, max(mean, centre + half))  # exact at 0 and 1
+
+
+def cell(runs: list[dict]) -> dict:
+    """One (setting, length) of a model over its tasks: the mean of the task scores, over every sample."""
+    scores = [score for run in runs for score in run["scores"]]
+    mean = statistics.fmean(run["score"] for run in runs)
+    low, high = wilson(mean, len(scores))
+    return {"score": round(mean, 4), "low": round(low, 4), "high": round(high, 4), "samples": len(scores),
+            "tasks": {run["task"]: round(run["score"], 4) for run in runs}}
+
+
+def effective_length(scores: dict[int, float], own_4k: float) -> int:
+    """The longest length up to which every score stays at or above THRESHOLD x the model's own 4k score."""
+    longest = 0
+    for length in sorted(scores):
+        if scores[length] < THRESHOLD * own_4k:
+            break
+        longest = length
+    return longest
+
+
+def summarize_model(runs: list[dict], tasks: list[str]) -> dict:
+    """One model's cells (a setting at a length, over the tasks run for all of it), its own 4k score
+    (plain RoPE, inside training for both models) and each setting's effective length."""
+    by_cell: dict[tuple[str, int], list[dict]] = {}
+    for run in runs:
+        by_cell.setdefault((run["label"], run["length"]), []).append(run)
+    cells = {f"{name} @ {length}": {"setting": name, "length": length, **cell(found)}
+             for (name, length), found in by_cell.items() if {r["task"] for r in found} >= set(tasks)}
+    own = cells.get("none @ 4096", {}).get("score")
+    without_log_n = {run["label"]: run["without_log_n"] for run in runs}
+    order = [label(setting) for setting in SETTINGS] + ["auto"]
+    rank = lambda name: (order.index(without_log_n[name]) if without_log_n[name] in order else len(order),  # noqa: E731
+                         name != without_log_n[name], name)
+    settings = sorted(without_log_n, key=rank)
+    for c in cells.values():
+        c["of_own_4k"] = round(c["score"] / own, 3) if own else None
+    effective = {}
+    for name in settings:
+        # inside training a log-n row is its row without log-n (not run twice)
+        scores = {c["length"]: c["score"] for c in cells.values() if c["setting"] == without_log_n[name]}
+        scores |= {c["length"]: c["score"] for c in cells.values() if c["setting"] == name}
+        effective[name] = effective_length(scores, own) if own and min(scores, default=None) == 4096 else None
+    return {"own_4k": own, "settings": settings, "cells": cells, "effective_length": effective}
+
+
+def summarize(log: list[dict], tasks: list[str], meta: dict) -> dict:
+    models = sorted({r["model"] for r in log}, key=list(MODELS).index)
+    return {**meta, "date": max(r["date"] for r in log), "tasks": tasks, "left_out": LEFT_OUT,
+            "threshold": THRESHOLD, "measured_hours": round(sum(r["seconds"] for r in log) / 3600, 2),
+            "samples_per_run": sorted({r["n"] for r in log}),
+            "models": {model: summarize_model([r for r in log if r["model"] == model], tasks) for model in models}}
+
+
+def model_table(name: str, model: dict, lengths: list[int]) -> list[str]:
+    """One model's settings x lengths: each score (the mean over the tasks) and its interval, the share
+    of the model's own 4k score, and the effective length."""
+    own = model["own_4k"]
+    lines = [f"**{name}** (its own 4k score, plain RoPE: {own:.3f})" if own is not None else f"**{name}**", "",
+             "| setting | " + " | ".join(f"{length // 1024}k" for length in lengths) + " | effective length |",
+             "| --- | " + " | ".join("---" for _ in lengths) + " | --- |"]
+    for setting in model["settings"]:
+        cells = []
+        for length in lengths:
+            c = model["cells"].get(f"{setting} @ {length}")
+            share = f", {c['of_own_4k']:.2f}x" if c and c["of_own_4k"] is not None else ""
+            cells.append(f"{c['score']:.3f} [{c['low']:.2f}, {c['high']:.2f}]{share}" if c else "")
+        effective = model["effective_length"].get(setting)
+        shown = "" if effective is None else f"{effective // 1024}k" if effective else f"below {lengths[0] // 1024}k"
+        lines.append(f"| {setting} | " + " | ".join(cells) + f" | {shown} |")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    """ruler.json as bench/README.md shows it."""
+    lengths = report.get("lengths") or sorted({c["length"] for m in report["models"].values()
+                                               for c in m["cells"].values()})
+    lines = [f"Tasks: {', '.join(report['tasks'])}; each cell the mean of their scores, [its 95% Wilson "
+             f"interval over the {'/'.join(map(str, report['samples_per_run']))} samples of each task], and "
+             "its share of the model's own 4k score. A blank: not measured yet (or inside training, for a "
+             "log-n row: the row without log-n)."]
+    for name, model in report["models"].items():
+        lines += [""] + model_table(name, model, lengths)
+    left = sorted(set(report["left_out"].values()))
+    lines += ["", f"- Left out, because lm-eval downloads their text: the tasks built on {', '.join(left)} "
+                  f"({', '.join(sorted(report['left_out']))}).",
+              f"- Effective length: the longest length up to which the score stays at or above "
+              f"{report['threshold']:.1%} of the model's own 4k score.",
+              f"- {report['measured_hours']:.1f} h of runs in all, on {report['machine']}."]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = report["models"]
+    figure, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+    for axis, (name, model) in zip(axes[0], models.items()):
+        for setting in model["settings"]:
+            found = sorted((c["length"], c["score"]) for c in model["cells"].values() if c["setting"] == setting)
+            if found:
+                axis.plot(*zip(*found), marker="o", linestyle="--" if "log_n" in setting else "-", label=setting)
+        axis.set(xscale="log", xlabel="tokens", ylabel="RULER score (mean over tasks)", title=name, ylim=(0, 1))
+        axis.set_xticks(sorted({c["length"] for c in model["cells"].values()}))
+        axis.get_xaxis().set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{int(v) // 1024}k"))
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def report(args: argparse.Namespace) -> int:
+    log = records(args.runs)
+    if not log:
+        print(f"no runs in {args.runs}: nothing measured yet", file=sys.stderr)
+        return 1
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "lengths": args.lengths}
+    summary = summarize(log, args.tasks, meta)
+    (args.out_dir / f"{STEM}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(summary, args.out_dir / f"{STEM}.png")
+    text = markdown(summary)
+    print(text)
+    if args.readme:
+        from bench.readme import write_block
+
+        write_block(STEM, text)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=next(iter(MODELS)), choices=list(MODELS))
+    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
+    parser.add_argument("--samples", type=int, default=10, help="samples of each task at each length and setting")
+    parser.add_argument("--budget-minutes", type=float, help="start no run that would end after this many minutes")
+    parser.add_argument("--url", help="a running server of --model instead of starting one")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--runs", type=Path, help=f"the runs log (default <out-dir>/{STEM}_runs.jsonl)")
+    parser.add_argument("--table", action="store_true", help="the summary from the runs log, and stop")
+    parser.add_argument("--readme", action="store_true", help="also rewrite the ruler.json block of bench/README.md")
+    args = parser.parse_args(argv)
+    args.runs = args.runs or args.out_dir / f"{STEM}_runs.jsonl"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.table:
+        from transformers import AutoConfig
+
+        from rope_plugins.rules.checkpoint import declared_train_length
+        from rope_plugins.server.provision import provision
+
+        own = declared_train_length(AutoConfig.from_pretrained(provision(args.model)))
+        jobs = still_to_do(plan(args.model, own, args.lengths, args.tasks), args.runs, args.samples)
+        print(f"{len(jobs)} runs to do for {args.model} ({args.samples} samples each)", file=sys.stderr)
+        minutes = args.budget_minutes
+        measure(args, jobs, time.perf_counter() + (60 * minutes if minutes is not None else math.inf))
+    return report(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""bench/ruler.py's plan, resumption and summary, on hand-made runs (no server, no lm-eval)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import ruler
+
+
+def test_the_plan_runs_log_n_only_past_training_and_names_the_pretend_training_length():
+    smol = ruler.plan("SmolLM2-135M-Instruct", 8192, ruler.LENGTHS, ["niah_single_1"])
+    at = lambda jobs, length: [job["label"] for job in jobs if job["length"] == length]  # noqa: E731
+    assert len(at(smol, 8192)) == len(ruler.SETTINGS) + 1  # inside training: no log-n twin, and auto
+    assert len(at(smol, 16384)) == 2 * len(ruler.SETTINGS) + 1
+    assert "dual_chunk(log_n=True)" in at(smol, 16384) and "auto" in at(smol, 4096)
+    assert all("train_length" not in job["settings"] for job in smol)
+    qwen = ruler.plan("Qwen2.5-Coder-0.5B-Instruct", 32768, ruler.LENGTHS, ruler.TASKS)
+    assert all(job["settings"]["train_length"] == 4096 for job in qwen)  # its pretend training length
+    assert len(at(qwen, 8192)) == (2 * len(ruler.SETTINGS) + 1) * len(ruler.TASKS)  # past its 4096
+    assert {job["without_log_n"] for job in qwen if job["label"] == "yarn(factor=auto, log_n=True)"} == {
+        "yarn(factor=auto)"}
+
+
+def test_a_rerun_skips_what_the_log_holds_with_enough_samples(tmp_path):
+    jobs = ruler.plan("SmolLM2-135M-Instruct", 8192, [4096], ["niah_single_1", "ruler_vt"])
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(json.dumps({**jobs[0], "n": 10}) + "\n" + json.dumps({**jobs[1], "n": 3}) + "\n")
+    left = ruler.still_to_do(jobs, runs, samples=10)
+    assert jobs[0] not in left and jobs[1] in left and len(left) == len(jobs) - 1
+
+
+@pytest.mark.parametrize("mean,n", [(0.0, 10), (1.0, 10), (0.5, 40), (0.9, 3)])
+def test_the_wilson_interval_holds_the_mean_inside_zero_and_one(mean, n):
+    low, high = ruler.wilson(mean, n)
+    assert 0.0 <= low <= mean <= high <= 1.0 and high - low > 0
+    assert ruler.wilson(mean, 4 * n)[1] - ruler.wilson(mean, 4 * n)[0] < high - low  # more samples, narrower
+
+
+def fake_runs(scores: dict[tuple[str, int], float], tasks=("niah_single_1", "ruler_vt"), n=4) -> list[dict]:
+    """Runs of SmolLM2 with every task at ``scores[(label, length)]``."""
+    runs = []
+    for job in ruler.plan("SmolLM2-135M-Instruct", 8192, ruler.LENGTHS, list(tasks)):
+        if (job["label"], job["length"]) in scores:
+            score = scores[job["label"], job["length"]]
+            runs.append({**job, "n": n, "scores": [score] * n, "score": score, "seconds": 10.0,
+                         "date": "2026-11-27T00:00:00+00:00"})
+    return runs
+
+
+def test_the_summary_scores_against_the_own_4k_score_and_finds_the_effective_length():
+    runs = fake_runs({("none", 4096): 0.8, ("none", 8192): 0.7, ("none", 16384): 0.1,
+                      ("rerope", 4096): 0.8, ("rerope", 8192): 0.75, ("rerope", 16384): 0.72, ("rerope", 32768): 0.2,
+                      ("rerope(log_n=True)", 16384): 0.7, ("rerope(log_n=True)", 32768): 0.69})
+    model = ruler.summarize_model(runs, ["niah_single_1", "ruler_vt"])
+    assert model["own_4k"] == 0.8
+    assert model["cells"]["rerope @ 16384"]["of_own_4k"] == 0.9
+    # 0.856 x 0.8 = 0.685: plain RoPE holds to 8k, ReRoPE to 16k, with log-n (its 4k and 8k are ReRoPE's) to 32k
+    assert model["effective_length"] == {"none": 8192, "rerope": 16384, "rerope(log_n=True)": 32768}
+    assert model["settings"] == ["none", "rerope", "rerope(log_n=True)"]
+
+
+def test_a_setting_missing_a_task_at_a_length_has_no_cell_there():
+    runs = fake_runs({("none", 4096): 0.5})
+    runs = [run for run in runs if run["task"] != "ruler_vt"]
+    assert ruler.summarize_model(runs, ["niah_single_1", "ruler_vt"])["cells"] == {}
+
+
+def test_the_report_renders_every_model_and_says_what_was_left_out(tmp_path):
+    runs = fake_runs({("none", 4096): 0.8, ("dual_chunk", 16384): 0.6})
+    summary = ruler.summarize(runs, ["niah_single_1", "ruler_vt"], {"machine": "x86_64, 2 cores",
+                                                                    "lengths": ruler.LENGTHS})
+    text = ruler.markdown(summary)
+    assert "**SmolLM2-135M-Instruct** (its own 4k score, plain RoPE: 0.800)" in text
+    assert "| dual_chunk |  |  | 0.600 [0.29, 0.85], 0.75x |  |  |" in text  # 8 samples; no 4k score yet
+    assert text.index("| none |") < text.index("| dual_chunk |")  # the settings in their table's order
+    assert "essays" in text and "HotpotQA" in text
+    ruler.plot(summary, tmp_path / "ruler.png")
+    assert (tmp_path / "ruler.png").stat().st_size > 0
