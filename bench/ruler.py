@@ -1,7 +1,7 @@
 """RULER (Hsieh et al., 2024), the long-context benchmark papers report, through EleutherAI's
 lm-eval against this server: every extension setting at 4k to 32k tokens.
 
-    .venv/bin/python bench/ruler.py --model SmolLM2-135M-Instruct   # resumable; --budget-minutes N
+    .venv/bin/python bench/ruler.py --model smollm2-135m    # resumable; --budget-minutes N
     .venv/bin/python bench/ruler.py --table --readme                # ruler.json/.png and its README block
 
 For each model, length, task and setting, one run of lm-eval's CLI (``--model
@@ -49,8 +49,8 @@ LEFT_OUT = {"niah_single_2": "essays", "niah_single_3": "essays", "niah_multikey
             "niah_multivalue": "essays", "niah_multiquery": "essays", "ruler_qa_squad": "SQuAD",
             "ruler_qa_hotpot": "HotpotQA"}
 LENGTHS = [4096, 8192, 16384, 32768]
-# the model's served name: the training length its requests name (None: its own)
-MODELS = {"SmolLM2-135M-Instruct": None, "Qwen2.5-Coder-0.5B-Instruct": 4096}
+# the model's short name (server/catalog.py): the training length its requests name (None: its own)
+MODELS = {"smollm2-135m": None, "qwen2.5-coder-0.5b": 4096}
 SETTINGS = [{"method": "none"}, {"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "self_extend"},
             {"method": "yarn", "factor": "auto"}, {"method": "dual_chunk"}, {"method": "string"}]
 THRESHOLD = 0.856  # RULER's: Llama-2-7B's 4k score, as a share of the model's own 4k score here
@@ -74,56 +74,65 @@ def label(setting: dict) -> str:
 
 
 def plan(model: str, own_train_length: int, lengths: list[int], tasks: list[str]) -> list[dict]:
-    """Every run of one model: its (length, setting) pairs for each task, shortest first."""
+    """Every run of one model: its (length, setting) pairs, shortest first, each over ``tasks``
+    (one lm-eval run: its start is paid once for them all)."""
     pretend = MODELS.get(model)
     train_length = pretend or own_train_length
     jobs = []
     for length, setting in grid(train_length, lengths):
         named = {**setting, "train_length": pretend} if pretend else setting
         plain = label({name: value for name, value in setting.items() if name != "log_n"})
-        jobs += [{"model": model, "task": task, "length": length, "settings": named, "label": label(setting),
-                  "without_log_n": plain} for task in tasks]
+        jobs.append({"model": model, "tasks": tasks, "length": length, "settings": named, "label": label(setting),
+                     "without_log_n": plain})
     return jobs
 
 
-def key(record: dict) -> tuple:
-    return record["model"], record["task"], record["length"], record["label"]
+def key(record: dict, task: str | None = None) -> tuple:
+    return record["model"], task or record["task"], record["length"], record["label"]
 
 
 def records(runs: Path) -> list[dict]:
-    return [json.loads(line) for line in runs.read_text().splitlines() if line.strip()] if runs.exists() else []
+    """Each task's run, from the log's records (one per lm-eval run, each over its tasks)."""
+    logged = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()] if runs.exists() else []
+    return [{**{k: v for k, v in record.items() if k not in ("tasks", "scores")}, "task": task, "scores": scores,
+             "n": len(scores), "score": statistics.fmean(scores), "seconds": record["seconds"] / len(record["scores"])}
+            for record in logged for task, scores in record["scores"].items()]
 
 
 def still_to_do(jobs: list[dict], runs: Path, samples: int) -> list[dict]:
-    """The jobs the log holds no run of with at least ``samples`` samples."""
+    """The jobs with a task the log holds no run of with at least ``samples`` samples, each with those tasks."""
     done = {key(r) for r in records(runs) if r["n"] >= samples}
-    return [job for job in jobs if key(job) not in done]
+    left = [{**job, "tasks": [task for task in job["tasks"] if key(job, task) not in done]} for job in jobs]
+    return [job for job in left if job["tasks"]]
 
 
-def run_job(job: dict, base: str, tokenizer: Path, samples: int, scratch: Path, api_key: str | None) -> dict:
-    """One lm-eval run of the job: its record (per-sample scores, seconds)."""
+def run_job(job: dict, base: str, served: str, tokenizer: Path, samples: int, scratch: Path,
+            api_key: str | None) -> dict:
+    """One lm-eval run of the job against the server at ``base`` serving the model as ``served``:
+    its record (per-sample scores, seconds)."""
     from rope_plugins.testing.lm_eval_runs import run_lm_eval
 
     length = job["length"]
-    model_args = {"model": job["model"], "base_url": f"{base}/v1/completions", "tokenizer": tokenizer,
+    model_args = {"model": served, "base_url": f"{base}/v1/completions", "tokenizer": tokenizer,
                   "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_length": length + GENERATED_TOKENS,
                   "timeout": 7200}
     began = time.perf_counter()
-    result = run_lm_eval("local-completions", model_args, job["task"], scratch, api_key=api_key, timeout=6 * 3600,
-                         limit=samples, gen_kwargs={"context_extension": job["settings"]},
+    result = run_lm_eval("local-completions", model_args, job["tasks"], scratch, api_key=api_key,
+                         timeout=6 * 3600, limit=samples, gen_kwargs={"context_extension": job["settings"]},
                          metadata={"max_seq_lengths": [length], "pretrained": str(tokenizer)})
-    scores = [float(sample[str(length)]) for sample in result["samples"]]
-    return {**job, "n": len(scores), "scores": scores, "score": statistics.fmean(scores),
+    scores = {task: [float(sample[str(length)]) for sample in found["samples"]]
+              for task, found in result["tasks"].items()}
+    return {**{k: v for k, v in job.items() if k != "tasks"}, "scores": scores,
             "seconds": round(time.perf_counter() - began, 1),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def expected_seconds(job: dict, log: list[dict], samples: int) -> float:
-    """A job's time from the log's runs at its model and length (per sample), else a guess that
-    grows with the square of the length."""
+    """A job's time from the log's runs at its model and length (per task and sample), else a guess
+    that grows a little faster than the length."""
     seen = [r["seconds"] / r["n"] for r in log if (r["model"], r["length"]) == (job["model"], job["length"])]
-    per_sample = statistics.median(seen) if seen else 4.0 * (job["length"] / 4096) ** 1.5
-    return per_sample * samples
+    per_sample = statistics.median(seen) if seen else 8.0 * (job["length"] / 4096) ** 1.5
+    return per_sample * samples * len(job["tasks"])
 
 
 def measure(args: argparse.Namespace, jobs: list[dict], deadline: float) -> None:
@@ -143,15 +152,16 @@ def measure(args: argparse.Namespace, jobs: list[dict], deadline: float) -> None
     server = context.__enter__() if context else None
     try:
         base, tokenizer = (args.url or server.base).rstrip("/"), provision(args.model)
+        served = served_name(base, api_key)
         with tqdm(total=round(sum(work)), desc=f"RULER {args.model}", unit="s", unit_scale=True,
                   bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
             for number, (job, expected) in enumerate(zip(jobs, work), start=1):
                 if time.perf_counter() + expected > deadline:
-                    bar.write(f"the next run ({job['task']} {job['label']} {job['length']}, about {expected:.0f} s) "
+                    bar.write(f"the next run ({job['label']} {job['length']}, about {expected:.0f} s) "
                               "does not fit in the budget: stopping (rerun to resume)")
                     break
-                bar.set_postfix_str(f"{number}/{len(jobs)}: {job['task']} {job['label']} {job['length']}")
-                record = run_job(job, base, tokenizer, args.samples, args.out_dir, api_key)
+                bar.set_postfix_str(f"{number}/{len(jobs)}: {job['label']} {job['length']}")
+                record = run_job(job, base, served, tokenizer, args.samples, args.out_dir, api_key)
                 with args.runs.open("a") as out:
                     out.write(json.dumps(record) + "\n")
                 bar.update(round(expected))
@@ -160,6 +170,13 @@ def measure(args: argparse.Namespace, jobs: list[dict], deadline: float) -> None
     finally:
         if context:
             context.__exit__(None, None, None)
+
+
+def served_name(base: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(f"{base}/v1/models", headers=headers, timeout=60).raise_for_status().json()["data"][0]["id"]
 
 
 def wilson(mean: float, n: int) -> tuple[float, float]:

@@ -17,13 +17,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def lm_eval_command(model_type: str, model_args: dict[str, Any], task: str, out: Path, *,
+def lm_eval_command(model_type: str, model_args: dict[str, Any], tasks: list[str], out: Path, *,
                     include_path: Path | None = None, limit: int | None = None, apply_chat_template: bool = False,
                     gen_kwargs: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None) -> list[str]:
-    """``python -m lm_eval run`` of ``task`` with samples logged under ``out``."""
+    """``python -m lm_eval run`` of ``tasks`` with samples logged under ``out``."""
     command = [sys.executable, "-m", "lm_eval", "run", "--model", model_type,
                "--model_args", ",".join(f"{key}={value}" for key, value in model_args.items()),
-               "--tasks", task, "--output_path", str(out), "--log_samples"]
+               "--tasks", ",".join(tasks), "--output_path", str(out), "--log_samples"]
     if include_path is not None:
         command += ["--include_path", str(include_path)]
     if limit is not None:
@@ -48,17 +48,19 @@ def offline_environment(scratch: Path, api_key: str | None) -> dict[str, str]:
     return env
 
 
-def run_lm_eval(model_type: str, model_args: dict[str, Any], task: str, scratch: Path, *,
+def run_lm_eval(model_type: str, model_args: dict[str, Any], task: str | list[str], scratch: Path, *,
                 api_key: str | None = None, timeout: float = 600, **options: Any) -> dict[str, Any]:
-    """Runs lm-eval on one task (``options``: :func:`lm_eval_command`'s) and returns {"task",
-    "model_type", "metrics" (name -> value, lm-eval's ",none" filter suffix dropped), "n" (items
-    evaluated), "samples" (lm-eval's per-item records, each with "resps" and the metrics),
-    "results" (lm-eval's whole results JSON), "command", "wall_s", "log" (its output)}. Raises
+    """Runs lm-eval on a task, or several in one run (``options``: :func:`lm_eval_command`'s), and
+    returns {"tasks": each task's {"metrics" (name -> value, lm-eval's ",none" filter suffix
+    dropped), "n" (items evaluated), "samples" (lm-eval's per-item records, each with "resps" and
+    the metrics)}, "model_type", "results" (lm-eval's whole results JSON), "command", "wall_s",
+    "log" (its output)}; of one task, its entries at the top too, with "task". Raises
     RuntimeError with lm-eval's output when it fails (a request that fails once fails the run:
     max_retries=1 unless ``model_args`` says otherwise)."""
+    tasks = [task] if isinstance(task, str) else list(task)
     scratch = Path(scratch)
-    out = Path(tempfile.mkdtemp(prefix=f"lm_eval_{task}_{model_type}_", dir=scratch))
-    command = lm_eval_command(model_type, {"max_retries": 1, **model_args}, task, out, **options)
+    out = Path(tempfile.mkdtemp(prefix=f"lm_eval_{tasks[0]}_{model_type}_", dir=scratch))
+    command = lm_eval_command(model_type, {"max_retries": 1, **model_args}, tasks, out, **options)
     start = time.monotonic()
     # task YAMLs name their data files relative to the repository root
     run = subprocess.run(command, cwd=ROOT, env=offline_environment(scratch, api_key), capture_output=True,
@@ -74,10 +76,16 @@ def run_lm_eval(model_type: str, model_args: dict[str, Any], task: str, scratch:
     if not found:
         raise RuntimeError(f"lm-eval wrote no results under {out}\n{log[-6000:]}")
     results = json.loads(found[-1].read_text())
+    each = {name: task_result(results, out, name) for name in tasks}
+    single = {"task": tasks[0], **each[tasks[0]]} if isinstance(task, str) else {}
+    return {**single, "tasks": each, "model_type": model_type, "results": results, "command": command,
+            "wall_s": wall, "log": log}
+
+
+def task_result(results: dict[str, Any], out: Path, task: str) -> dict[str, Any]:
+    """One task's metrics, item count and logged samples from a run's results under ``out``."""
     samples_files = sorted(out.rglob(f"samples_{task}_*.jsonl"))
     samples = [json.loads(line) for line in samples_files[-1].read_text().splitlines()] if samples_files else []
     metrics = {key.split(",")[0]: value for key, value in results["results"][task].items()
                if "," in key and "_stderr" not in key}  # "acc,none": metric "acc", filter "none"
-    return {"task": task, "model_type": model_type, "metrics": metrics,
-            "n": results["n-samples"][task]["effective"], "samples": samples, "results": results,
-            "command": command, "wall_s": wall, "log": log}
+    return {"metrics": metrics, "n": results["n-samples"][task]["effective"], "samples": samples}

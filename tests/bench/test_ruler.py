@@ -10,25 +10,36 @@ from bench import ruler
 
 
 def test_the_plan_runs_log_n_only_past_training_and_names_the_pretend_training_length():
-    smol = ruler.plan("SmolLM2-135M-Instruct", 8192, ruler.LENGTHS, ["niah_single_1"])
+    smol = ruler.plan("smollm2-135m", 8192, ruler.LENGTHS, ["niah_single_1"])
     at = lambda jobs, length: [job["label"] for job in jobs if job["length"] == length]  # noqa: E731
     assert len(at(smol, 8192)) == len(ruler.SETTINGS) + 1  # inside training: no log-n twin, and auto
     assert len(at(smol, 16384)) == 2 * len(ruler.SETTINGS) + 1
     assert "dual_chunk(log_n=True)" in at(smol, 16384) and "auto" in at(smol, 4096)
     assert all("train_length" not in job["settings"] for job in smol)
-    qwen = ruler.plan("Qwen2.5-Coder-0.5B-Instruct", 32768, ruler.LENGTHS, ruler.TASKS)
-    assert all(job["settings"]["train_length"] == 4096 for job in qwen)  # its pretend training length
-    assert len(at(qwen, 8192)) == (2 * len(ruler.SETTINGS) + 1) * len(ruler.TASKS)  # past its 4096
+    qwen = ruler.plan("qwen2.5-coder-0.5b", 32768, ruler.LENGTHS, ruler.TASKS)
+    assert all(job["settings"]["train_length"] == 4096 and job["tasks"] == ruler.TASKS for job in qwen)
+    assert len(at(qwen, 8192)) == 2 * len(ruler.SETTINGS) + 1  # past its pretend 4096
     assert {job["without_log_n"] for job in qwen if job["label"] == "yarn(factor=auto, log_n=True)"} == {
         "yarn(factor=auto)"}
 
 
-def test_a_rerun_skips_what_the_log_holds_with_enough_samples(tmp_path):
-    jobs = ruler.plan("SmolLM2-135M-Instruct", 8192, [4096], ["niah_single_1", "ruler_vt"])
+def logged(job: dict, scores: dict[str, list[float]]) -> str:
+    """A runs-log line: one lm-eval run of ``job`` over the tasks of ``scores``."""
+    record = {**{k: v for k, v in job.items() if k != "tasks"}, "scores": scores, "seconds": 20.0,
+              "date": "2026-11-27T00:00:00+00:00"}
+    return json.dumps(record) + "\n"
+
+
+def test_a_rerun_does_only_the_tasks_the_log_lacks_with_enough_samples(tmp_path):
+    jobs = ruler.plan("smollm2-135m", 8192, [4096], ["niah_single_1", "ruler_vt"])
     runs = tmp_path / "runs.jsonl"
-    runs.write_text(json.dumps({**jobs[0], "n": 10}) + "\n" + json.dumps({**jobs[1], "n": 3}) + "\n")
+    runs.write_text(logged(jobs[0], {"niah_single_1": [1.0] * 10, "ruler_vt": [0.5] * 3})
+                    + logged(jobs[1], {"niah_single_1": [0.0] * 10, "ruler_vt": [1.0] * 10}))
     left = ruler.still_to_do(jobs, runs, samples=10)
-    assert jobs[0] not in left and jobs[1] in left and len(left) == len(jobs) - 1
+    assert left[0] == {**jobs[0], "tasks": ["ruler_vt"]}  # the one with too few samples
+    assert jobs[1]["label"] not in [job["label"] for job in left] and len(left) == len(jobs) - 1
+    per_task = {(r["label"], r["task"]): r for r in ruler.records(runs)}
+    assert per_task["none", "ruler_vt"]["score"] == 0.5 and per_task["none", "ruler_vt"]["seconds"] == 10.0
 
 
 @pytest.mark.parametrize("mean,n", [(0.0, 10), (1.0, 10), (0.5, 40), (0.9, 3)])
@@ -39,13 +50,13 @@ def test_the_wilson_interval_holds_the_mean_inside_zero_and_one(mean, n):
 
 
 def fake_runs(scores: dict[tuple[str, int], float], tasks=("niah_single_1", "ruler_vt"), n=4) -> list[dict]:
-    """Runs of SmolLM2 with every task at ``scores[(label, length)]``."""
+    """Each task's runs of SmolLM2 with every task at ``scores[(label, length)]``."""
     runs = []
-    for job in ruler.plan("SmolLM2-135M-Instruct", 8192, ruler.LENGTHS, list(tasks)):
+    for job in ruler.plan("smollm2-135m", 8192, ruler.LENGTHS, list(tasks)):
         if (job["label"], job["length"]) in scores:
             score = scores[job["label"], job["length"]]
-            runs.append({**job, "n": n, "scores": [score] * n, "score": score, "seconds": 10.0,
-                         "date": "2026-11-27T00:00:00+00:00"})
+            runs += [{**job, "task": task, "n": n, "scores": [score] * n, "score": score, "seconds": 10.0,
+                      "date": "2026-11-27T00:00:00+00:00"} for task in tasks]
     return runs
 
 
@@ -72,7 +83,7 @@ def test_the_report_renders_every_model_and_says_what_was_left_out(tmp_path):
     summary = ruler.summarize(runs, ["niah_single_1", "ruler_vt"], {"machine": "x86_64, 2 cores",
                                                                     "lengths": ruler.LENGTHS})
     text = ruler.markdown(summary)
-    assert "**SmolLM2-135M-Instruct** (its own 4k score, plain RoPE: 0.800)" in text
+    assert "**smollm2-135m** (its own 4k score, plain RoPE: 0.800)" in text
     assert "| dual_chunk |  |  | 0.600 [0.29, 0.85], 0.75x |  |  |" in text  # 8 samples; no 4k score yet
     assert text.index("| none |") < text.index("| dual_chunk |")  # the settings in their table's order
     assert "essays" in text and "HotpotQA" in text
