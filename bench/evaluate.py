@@ -640,8 +640,8 @@ def past_training(losses: dict[tuple, float], labels: list[str], train: int, lon
     """The lowest losses at the longest length, each with its rise from the training length,
     and ReRoPE's against the seeds' expectation (at or below its loss at the training length)."""
     at = {name: losses[(name, longest)] for name in labels if (name, longest) in losses}
-    best = ", ".join(f"`{name}` {value:.3f} ({value - losses[(name, train)]:+.3f})"
-                     for name, value in ranked(at, 3).items())
+    rise = lambda name: f" ({at[name] - losses[(name, train)]:+.3f})" if (name, train) in losses else ""  # noqa: E731
+    best = ", ".join(f"`{name}` {value:.3f}{rise(name)}" for name, value in ranked(at, 3).items())
     lines = [f"Lowest loss at {length_name(longest)} (in brackets: the change from {length_name(train)}): {best}; "
              f"plain RoPE {at['none']:.3f} ({at['none'] - losses[('none', train)]:+.3f})."]
     past = [n for n in sorted({n for _, n in losses}) if n > train and ("rerope", n) in losses]

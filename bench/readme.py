@@ -30,7 +30,7 @@ RENDERERS = {
     "eval": ("evaluate", "markdown"),
     "eval_quick": ("evaluate", "markdown"),
     "eval_digits": ("evaluate", "markdown"),
-    "ruler": ("ruler", "markdown"),
+    "eval_new_methods": ("evaluate", "markdown"),
     "loadtest": ("readme", "loadtest_markdown"),
     "step_budget": ("step_budget", "markdown"),
     "reserved_cores": ("step_budget", "markdown"),
