@@ -31,6 +31,7 @@ RENDERERS = {
     "eval_quick": ("evaluate", "markdown"),
     "eval_digits": ("evaluate", "markdown"),
     "eval_new_methods": ("evaluate", "markdown"),
+    "ruler": ("ruler", "markdown"),
     "loadtest": ("readme", "loadtest_markdown"),
     "step_budget": ("step_budget", "markdown"),
     "reserved_cores": ("step_budget", "markdown"),

@@ -37,6 +37,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -161,7 +162,8 @@ def measure(args: argparse.Namespace, jobs: list[dict], deadline: float) -> None
                               "does not fit in the budget: stopping (rerun to resume)")
                     break
                 bar.set_postfix_str(f"{number}/{len(jobs)}: {job['label']} {job['length']}")
-                record = run_job(job, base, served, tokenizer, args.samples, args.out_dir, api_key)
+                with tempfile.TemporaryDirectory(prefix="ruler_lm_eval_") as scratch:  # lm-eval's own outputs
+                    record = run_job(job, base, served, tokenizer, args.samples, Path(scratch), api_key)
                 with args.runs.open("a") as out:
                     out.write(json.dumps(record) + "\n")
                 bar.update(round(expected))
@@ -305,8 +307,10 @@ def report(args: argparse.Namespace) -> int:
     if not log:
         print(f"no runs in {args.runs}: nothing measured yet", file=sys.stderr)
         return 1
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "lengths": args.lengths}
-    summary = summarize(log, args.tasks, meta)
+    # a table of what the log holds unless told which tasks and lengths: each cell needs all its tasks
+    tasks = args.tasks or [task for task in TASKS if task in {r["task"] for r in log}]
+    lengths = args.lengths or sorted({r["length"] for r in log})
+    summary = summarize(log, tasks, {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "lengths": lengths})
     (args.out_dir / f"{STEM}.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, args.out_dir / f"{STEM}.png")
     text = markdown(summary)
@@ -321,8 +325,8 @@ def report(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=next(iter(MODELS)), choices=list(MODELS))
-    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
+    parser.add_argument("--lengths", type=int, nargs="+", help=f"default: {LENGTHS} (--table: those in the log)")
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, help="default: all six (--table: those in the log)")
     parser.add_argument("--samples", type=int, default=10, help="samples of each task at each length and setting")
     parser.add_argument("--budget-minutes", type=float, help="start no run that would end after this many minutes")
     parser.add_argument("--url", help="a running server of --model instead of starting one")
@@ -344,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         from rope_plugins.server.provision import provision
 
         own = declared_train_length(AutoConfig.from_pretrained(provision(args.model)))
-        jobs = still_to_do(plan(args.model, own, args.lengths, args.tasks), args.runs, args.samples)
+        jobs = still_to_do(plan(args.model, own, args.lengths or LENGTHS, args.tasks or TASKS), args.runs,
+                           args.samples)
         print(f"{len(jobs)} runs to do for {args.model} ({args.samples} samples each)", file=sys.stderr)
         minutes = args.budget_minutes
         measure(args, jobs, time.perf_counter() + (60 * minutes if minutes is not None else math.inf))
