@@ -107,8 +107,9 @@ def plugin_attention(window: int):
         identity = lambda n: Rotation(cos=torch.ones(n, 1, half), sin=torch.zeros(n, 1, half))  # noqa: E731
         band_start = max(0, context - window + 1) if window else 0
         windows = torch.full((chunk,), window, dtype=torch.int64)
-        row = PrefillRow(tokens=slice(0, chunk), context=context, seq_len=seq, row=0, window=windows, far_keys=None,
-                         band_start=band_start, band_keys=identity(seq - band_start) if window else None)
+        near_from = context + torch.arange(chunk) - windows + 1
+        row = PrefillRow(tokens=slice(0, chunk), context=context, seq_len=seq, row=0, near_from=near_from,
+                         far_keys=None, band_start=band_start, band_keys=identity(seq - band_start) if window else None)
         queries = QueryPlan(scale=torch.ones(chunk), near=identity(chunk), far=identity(chunk), window=windows)
         return cpu.prefill_kernel(query, queries, cache, torch.arange(cache.shape[0]), row, scale=SCALE)
 

@@ -69,7 +69,7 @@ class PrefillRow:
     context: int  # tokens already in the cache before this chunk
     seq_len: int  # context + chunk
     row: int  # batch row (block table)
-    window: torch.Tensor  # [chunk] int64: each query's window w(m)
+    near_from: torch.Tensor  # [chunk] int64: each query's first near key, m - w(m) + 1
     far_keys: Rotation | None  # n ρ θ (grouped: ⌊n/g⌋ θ, chunked: (n mod s) θ), [seq_len, 1, d/2]; None when ρ = 0
     band_start: int = 0  # the first key position any near query sees
     band_keys: Rotation | None = None  # n θ for n = band_start .. seq_len - 1, [n, 1, d/2]
@@ -77,11 +77,6 @@ class PrefillRow:
     @property
     def chunk(self) -> int:
         return self.tokens.stop - self.tokens.start
-
-    @property
-    def near_from(self) -> torch.Tensor:
-        """Each query's first near key ``m - w(m) + 1``, ``[chunk]`` int64."""
-        return self.context + torch.arange(self.chunk) - self.window + 1
 
 
 @dataclass(frozen=True)
@@ -443,9 +438,10 @@ class StepPlanner:
         chunk = end - first
         context, leak, theta = seq_len - chunk, float(rows.leak[row]), rows.theta[row]
         window = query.window[first:end]
+        near_from = context + torch.arange(chunk) - window + 1
         band_start, band_keys = 0, None
         if bool((window > 0).any()):
-            band_start = max(0, int((context + torch.arange(chunk) - window).min()) + 1)
+            band_start = max(0, int(near_from.min()))
             positions = torch.arange(band_start, seq_len, dtype=torch.float64)
             band_keys = Rotation.of((positions[:, None] * theta)[:, None])
         far_keys = None
@@ -453,5 +449,5 @@ class StepPlanner:
             far_keys = self.far_key_table(theta, leak, int(rows.group[row]), int(rows.chunk_length[row]),
                                           seq_len)[:, None]
         return PrefillRow(tokens=slice(first, end), context=context,
-                          seq_len=seq_len, row=row, window=window, far_keys=far_keys, band_start=band_start,
+                          seq_len=seq_len, row=row, near_from=near_from, far_keys=far_keys, band_start=band_start,
                           band_keys=band_keys)

@@ -116,8 +116,8 @@ PLAIN_SCORES = 1 << 24  # score entries per query chunk of the plain prefill (it
 def prefill_plain(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
                   row: PrefillRow, *, scale: float, scores_per_chunk: int = PLAIN_SCORES) -> torch.Tensor:
     """:func:`prefill_kernel` in plain PyTorch (float32 scores): per chunk of queries, every
-    score at its far angle, the near band's at its near angle, the rule's pick by distance
-    ``m - n`` against each query's window, the causal mask and one softmax. The fallback where
+    score at its far angle, the near band's at its near angle, the rule's pick from each
+    query's first near key, the causal mask and one softmax. The fallback where
     no C++ compiler is, or for other dtypes; the oracle holds it in the tests."""
     keys, values = sequence_keys(kv_cache, block_ids, row.seq_len)
     near_query, far_query = rotated_queries(query, queries, row.tokens)
@@ -134,7 +134,7 @@ def prefill_plain(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tenso
         scores = gqa_scores(far_query[part], far_keys)  # [kv, g, l, S]
         if band_keys is not None:
             band = scores[..., row.band_start:]
-            band.copy_(torch.where(distance[:, row.band_start:] < row.window[part, None],
+            band.copy_(torch.where(key_positions[row.band_start:] >= row.near_from[part, None],
                                    gqa_scores(near_query[part], band_keys), band))
         weights = torch.softmax((scores * scale).masked_fill(distance < 0, float("-inf")), dim=-1)
         outputs.append(torch.einsum("kgls,skd->lkgd", weights, values.float()).flatten(1, 2))

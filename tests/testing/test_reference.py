@@ -104,6 +104,16 @@ def test_rerope_by_hand_three_tokens():
     assert out[0, 0].tolist() == pytest.approx([1.0, 0.0])  # the first token sees only itself
 
 
+def rotated_half_style(x, positions, base=BASE):
+    """``x [seq, heads, d]`` rotated by ``positions [seq]`` as transformers' Llama does it
+    (rotate_half), in the reference implementations' own terms: nothing shared with the oracle's code."""
+    d = x.shape[-1]
+    theta = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
+    angle = torch.cat((positions[:, None] * theta, positions[:, None] * theta), dim=-1)[:, None, :]
+    halves = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+    return x * angle.cos() + halves * angle.sin()
+
+
 def two_position_attention(q, k, v, *, near_below, far_query, far_key, base=BASE):
     """Causal float64 attention as LongLM's and HKUNLP's reference code compute their methods
     (prefill, bsz 1): two full score matrices, one of q and k rotated by their own positions,
@@ -112,17 +122,11 @@ def two_position_attention(q, k, v, *, near_below, far_query, far_key, base=BASE
     nothing shared with the oracle's code."""
     seq_len, heads, d = q.shape
     group_of_heads = heads // k.shape[1]
-    theta = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
-
-    def rotated(x, positions):
-        angle = torch.cat((positions[:, None] * theta, positions[:, None] * theta), dim=-1)[:, None, :]
-        halves = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
-        return x * angle.cos() + halves * angle.sin()
-
     position = torch.arange(seq_len, dtype=torch.float64)
     k, v = k.repeat_interleave(group_of_heads, dim=1), v.repeat_interleave(group_of_heads, dim=1)
-    near = torch.einsum("mhd,nhd->hmn", rotated(q, position), rotated(k, position))
-    far = torch.einsum("mhd,nhd->hmn", rotated(q, far_query(position)), rotated(k, far_key(position)))
+    near = torch.einsum("mhd,nhd->hmn", rotated_half_style(q, position, base), rotated_half_style(k, position, base))
+    far = torch.einsum("mhd,nhd->hmn", rotated_half_style(q, far_query(position), base),
+                       rotated_half_style(k, far_key(position), base))
     distance = position[:, None] - position[None, :]
     scores = torch.where(distance < near_below, near, far) / math.sqrt(d)
     scores = scores.masked_fill(distance < 0, float("-inf"))
@@ -199,20 +203,13 @@ def chunkllama_dual_chunk(q, k, v, *, chunk_size, local_window, base=BASE):
     Rotations in rotate_half style; nothing shared with the oracle's code."""
     seq_len, heads, d = q.shape
     s = chunk_size - local_window
-    theta = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
-
-    def rotated(x, positions):
-        angle = torch.cat((positions[:, None] * theta, positions[:, None] * theta), dim=-1)[:, None, :]
-        halves = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
-        return x * angle.cos() + halves * angle.sin()
-
     q_t = torch.arange(s, dtype=torch.float64)
     qc_t = (q_t + s).clamp(max=chunk_size)
     position = torch.arange(seq_len)
     k_t = (position % s).double()
     k, v = k.repeat_interleave(heads // k.shape[1], dim=1), v.repeat_interleave(heads // k.shape[1], dim=1)
-    keys = rotated(k, k_t)
-    scores = {name: torch.einsum("mhd,nhd->hmn", rotated(q, table), keys)
+    keys = rotated_half_style(k, k_t, base)
+    scores = {name: torch.einsum("mhd,nhd->hmn", rotated_half_style(q, table, base), keys)
               for name, table in (("intra", q_t[position % s]), ("successive", qc_t[position % s]),
                                   ("inter", qc_t[s - 1].expand(seq_len)))}
     back = position[:, None] // s - position[None, :] // s
