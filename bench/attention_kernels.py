@@ -31,19 +31,30 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 QUERY_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
 SCALE = HEAD_DIM ** -0.5
 CASES = [(0, 4096), (0, 8192), (8192, 8192), (24576, 8192)]  # (context, chunk)
 
 
-def vllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
-    from vllm import _custom_ops as ops
+def vllm_isa(dtype: torch.dtype) -> str:
+    """The ISA vLLM's CPU attention picks for ``dtype``. Its AMX kernels need the tile state the
+    kernel grants a process only on request, which vLLM's worker makes at start and a bare call
+    of its op does not: without it, an AMX machine's first tile instruction is illegal."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    isa = _get_attn_isa(dtype, BLOCK, HEAD_DIM)
+    if isa == "amx" and not torch.cpu._init_amx():
+        raise RuntimeError("vLLM chose its AMX attention, but the kernel did not grant this process AMX tiles")
+    return isa
+
+
+def vllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
+    from vllm import _custom_ops as ops
     chunk, seq = query.shape[0], key.shape[0]
-    isa = _get_attn_isa(query.dtype, BLOCK, HEAD_DIM)
+    isa = vllm_isa(query.dtype)
     blocks = -(-seq // BLOCK)
-    key_cache, value_cache = torch.empty(blocks, KV_HEADS, 2 * BLOCK, HEAD_DIM).chunk(2, dim=2)
+    key_cache, value_cache = torch.empty(blocks, KV_HEADS, 2 * BLOCK, HEAD_DIM, dtype=key.dtype).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(seq), isa)
     starts, lengths = torch.tensor([0, chunk], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32)
     schedule = ops.cpu_attn_get_scheduler_metadata(
@@ -85,15 +96,16 @@ def paged(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Keys and values ``[S, kv, d]`` (one sequence) in the plugin's cache ``[blocks, kv, bs, 2d]``, blocks in order."""
     seq = key.shape[0]
     blocks = -(-seq // BLOCK)
-    cache = torch.zeros(blocks * BLOCK, KV_HEADS, 2 * HEAD_DIM)
+    cache = torch.zeros(blocks * BLOCK, KV_HEADS, 2 * HEAD_DIM, dtype=key.dtype)
     cache[:seq] = torch.cat((key, value), dim=-1)
     return cache.view(blocks, BLOCK, KV_HEADS, 2 * HEAD_DIM).transpose(1, 2).contiguous()
 
 
-def plugin_attention(window: int):
+def plugin_attention(window: int, matrix_tiles: bool | None = None):
     """The plugin's one-pass prefill as the attention calls it (rope_plugins.ops.cpu.prefill_kernel:
     keys and values read out of the paged cache, then the kernel), with identity rotations (so its
-    answer is plain causal attention); the cache is written outside the timing."""
+    answer is plain causal attention); the cache is written outside the timing. ``matrix_tiles``
+    False keeps a 16-bit cache on the float32 micro-kernel where the CPU has AMX tiles."""
     from rope_plugins.attention.planner import PrefillRow, QueryPlan, Rotation
     from rope_plugins.ops import cpu
 
@@ -111,7 +123,8 @@ def plugin_attention(window: int):
         row = PrefillRow(tokens=slice(0, chunk), context=context, seq_len=seq, row=0, near_from=near_from,
                          far_keys=None, band_start=band_start, band_keys=identity(seq - band_start) if window else None)
         queries = QueryPlan(scale=torch.ones(chunk), near=identity(chunk), far=identity(chunk), window=windows)
-        return cpu.prefill_kernel(query, queries, cache, torch.arange(cache.shape[0]), row, scale=SCALE)
+        return cpu.prefill_kernel(query, queries, cache, torch.arange(cache.shape[0]), row, scale=SCALE,
+                                  matrix_tiles=matrix_tiles)
 
     return run
 
@@ -121,10 +134,8 @@ def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     query ``[R, H, d]``, key / value ``[R, S, kv, d]`` (every row ``S`` keys). Returns a
     function of no arguments that runs the kernel (the cache is written once, outside the timing)."""
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     rows, seq = key.shape[:2]
-    isa = _get_attn_isa(query.dtype, BLOCK, HEAD_DIM)
+    isa = vllm_isa(query.dtype)
     per_row = -(-seq // BLOCK)
     key_cache, value_cache = torch.empty(rows * per_row, KV_HEADS, 2 * BLOCK, HEAD_DIM, dtype=key.dtype).chunk(2, dim=2)
     block_table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
@@ -185,6 +196,8 @@ def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0):
 
 KERNELS = {"vllm": vllm_attention, "torch_flash": torch_attention, "plugin_far": plugin_attention(0),
            f"plugin_window_{REROPE_WINDOW}": plugin_attention(REROPE_WINDOW)}
+# a 16-bit cache on a CPU with AMX: the plugin's prefill also without its matrix tiles
+WITHOUT_TILES = {"plugin_far_float32_kernel": plugin_attention(0, matrix_tiles=False)}
 
 
 DECODE_KERNELS = {"vllm": vllm_decode, "plugin_rerope": plugin_decode(REROPE_WINDOW, False),
@@ -193,12 +206,12 @@ DECODE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 2048)]  # (rows, keys per
 DECODE_CALLS = 20  # calls per timing (one call is milliseconds)
 
 
-def time_decode(reps: int) -> list[dict]:
+def time_decode(reps: int, dtype: torch.dtype = torch.float32) -> list[dict]:
     """Each decode kernel on the same rows, ``DECODE_CALLS`` calls per sample, interleaved."""
     rows = []
     for batch, seq in DECODE_CASES:
-        query = torch.randn(batch, QUERY_HEADS, HEAD_DIM)
-        key, value = torch.randn(2, batch, seq, KV_HEADS, HEAD_DIM)
+        query = torch.randn(batch, QUERY_HEADS, HEAD_DIM).to(dtype)
+        key, value = torch.randn(2, batch, seq, KV_HEADS, HEAD_DIM).to(dtype)
         runs = {name: prepare(query, key, value) for name, prepare in DECODE_KERNELS.items()}
         times = {name: [] for name in runs}
         outputs = {name: run() for name, run in runs.items()}  # first calls (allocation, caches) untimed
@@ -213,7 +226,8 @@ def time_decode(reps: int) -> list[dict]:
         row = {"rows": batch, "keys": seq, "seconds": medians, "samples": times,
                "over_vllm": {name: medians[name] / medians["vllm"] for name in runs},
                "cache_gb_per_second": {name: cache_bytes / medians[name] / 1e9 for name in runs},
-               "max_abs_difference": max(float((outputs["vllm"] - out).abs().max()) for out in outputs.values())}
+               "max_abs_difference": max(float((outputs["vllm"] - out).float().abs().max())
+                                         for out in outputs.values())}
         rows.append(row)
         print(f"decode {batch} x {seq:6,} keys: vLLM {medians['vllm'] * 1e3:.2f} ms "
               f"({row['cache_gb_per_second']['vllm']:.1f} GB/s of cache); x vLLM: "
@@ -226,8 +240,9 @@ def markdown(report: dict) -> str:
     """attention_kernels.json as bench/README.md shows it."""
     rows = report["rows"]
     others = [name for name in rows[0]["seconds"] if name != "vllm"]
+    dtype = "" if report.get("dtype", "float32") == "float32" else f", {report['dtype']}"
     lines = [f"Measured {report['date'][:10]} on {report['machine']} ({report['torch_threads']} threads, medians of "
-             f"{report['reps']}); each kernel's time as a multiple of vLLM's:", "",
+             f"{report['reps']}{dtype}); each kernel's time as a multiple of vLLM's:", "",
              "| context | chunk | vLLM s | " + " | ".join(others) + " | max abs difference |",
              "| --- | --- | --- | " + " | ".join("---" for _ in others) + " | --- |"]
     lines += [f"| {r['context']:,} | {r['chunk']:,} | {r['seconds']['vllm']:.3f} | "
@@ -248,21 +263,36 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def machine() -> str:
+    """The CPU's model, core count and widest vector and matrix instructions."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    isa = "avx512f" if " avx512f" in info else "avx2" if " avx2" in info else "other"
+    return f"{model}, {os.cpu_count()} cores, {isa}" + (", amx" if " amx_tile" in info else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attention_kernels.json")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="queries, keys and values (vLLM takes its AMX kernel in bfloat16 where the CPU has it)")
+    parser.add_argument("--out", type=Path, help="default: bench/results/attention_kernels[_bfloat16].json")
     parser.add_argument("--decode-only", action="store_true", help="time the decode kernels only")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    out = args.out or RESULTS / f"attention_kernels{'' if args.dtype == 'float32' else '_' + args.dtype}.json"
     torch.manual_seed(0)
-    decode_rows = time_decode(max(args.reps, 5))
+    decode_rows = time_decode(max(args.reps, 5), dtype)
     if args.decode_only:
         return 0
-    kernels = KERNELS
+    from rope_plugins.ops import native
+
+    kernels = {**KERNELS, **(WITHOUT_TILES if dtype != torch.float32 and native.matrix_tiles_ready() else {})}
     rows = []
     for context, chunk in CASES:
-        query = torch.randn(chunk, QUERY_HEADS, HEAD_DIM)
-        key, value = torch.randn(2, context + chunk, KV_HEADS, HEAD_DIM)
+        query = torch.randn(chunk, QUERY_HEADS, HEAD_DIM).to(dtype)
+        key, value = torch.randn(2, context + chunk, KV_HEADS, HEAD_DIM).to(dtype)
         times = {name: [] for name in kernels}
         outputs = {}
         for _ in range(args.reps):
@@ -273,18 +303,17 @@ def main() -> int:
         medians = {name: statistics.median(t) for name, t in times.items()}
         row = {"context": context, "chunk": chunk, "seconds": medians, "samples": times,
                "over_vllm": {name: medians[name] / medians["vllm"] for name in kernels},
-               "max_abs_difference": max(float((outputs["vllm"] - out).abs().max()) for out in outputs.values())}
+               "max_abs_difference": max(float((outputs["vllm"] - out).float().abs().max())
+                                         for out in outputs.values())}
         rows.append(row)
         print(f"context {context:6,} chunk {chunk:6,}: vLLM {medians['vllm']:.3f} s; x vLLM: "
               + ", ".join(f"{name} {ratio:.2f}" for name, ratio in row["over_vllm"].items() if name != "vllm")
               + f"; max |difference| {row['max_abs_difference']:.1e}", flush=True)
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = "avx512f" if " avx512f" in flags else "avx2" if " avx2" in flags else "other"
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {isa}",
-              "torch_threads": torch.get_num_threads(), "reps": args.reps, "rows": rows, "decode": decode_rows}
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "torch_threads": torch.get_num_threads(), "reps": args.reps, "dtype": args.dtype, "rows": rows,
+              "decode": decode_rows}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -65,6 +65,12 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the caches the C++ kernels read
 
 
+def uses_matrix_tiles(kv_cache: torch.Tensor) -> bool:
+    """A 16-bit cache's prefill takes AMX tiles where the CPU has them, as stock vLLM's does in
+    bfloat16 (float32 stays on the float32 micro-kernel)."""
+    return kv_cache.dtype != torch.float32 and native.matrix_tiles_ready()
+
+
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
     """The C++ prefill serves head sizes in whole key tiles, where it is built."""
     return (query.dtype in KERNEL_DTYPES and query.shape[-1] % KEY_TILE == 0
@@ -72,11 +78,12 @@ def uses_prefill_kernel(query: torch.Tensor) -> bool:
 
 
 def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                   row: PrefillRow, *, scale: float) -> torch.Tensor:
+                   row: PrefillRow, *, scale: float, matrix_tiles: bool | None = None) -> torch.Tensor:
     """One request's chunk in one pass of the C++ kernel, from the row's unrotated queries
     ``[L, heads, d]`` (the kernel scales and turns them as it reads them) and the paged cache:
     its keys read out once per chunk at their far angle (raw under ReRoPE) and, for the band, at
-    their near angle, in tiles whose 32 keys of one dimension are one contiguous vector."""
+    their near angle, in tiles whose 32 keys of one dimension are one contiguous vector. On AMX
+    tiles where :func:`uses_matrix_tiles` (``matrix_tiles`` None) or where asked."""
     tile, half = KEY_TILE, query.shape[-1] // 2
     tiles = -(-row.seq_len // tile)
     flat = lambda angles: angles.reshape(-1, half)  # noqa: E731
@@ -94,7 +101,8 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
     inputs = native.prefill_inputs(query_scale=queries.scale[row.tokens], near_cos=flat(near.cos),
                                    near_sin=flat(near.sin), far_cos=flat(far.cos), far_sin=flat(far.sin),
                                    near_from=row.near_from, context=row.context, banded=row.band_keys is not None,
-                                   near_origin=near_origin)
+                                   near_origin=near_origin,
+                                   matrix_tiles=uses_matrix_tiles(kv_cache) if matrix_tiles is None else matrix_tiles)
     return native.prefill_attention(
         inputs, query=query.float(), near_keys=near_keys, far_keys=far_keys,
         values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),

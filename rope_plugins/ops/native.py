@@ -161,18 +161,27 @@ def cache_values(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: in
     return kernels().cache_values(kv_cache, block_ids, seq_len)
 
 
+@functools.cache
+def matrix_tiles_ready() -> bool:
+    """Whether the prefill can take AMX tiles (``csrc/matrix_tiles.h``): the kernels were built for
+    a CPU with AMX and the OS granted this process their state. False on every other CPU."""
+    module = kernels()
+    return module is not None and module.matrix_tiles_ready()
+
+
 def prefill_inputs(*, query_scale: torch.Tensor, near_cos: torch.Tensor, near_sin: torch.Tensor,
                    far_cos: torch.Tensor, far_sin: torch.Tensor, near_from: torch.Tensor, context: int, banded: bool,
-                   near_origin: int):
+                   near_origin: int, matrix_tiles: bool = False):
     """One prefill row's chunk of ``L`` queries at ``context .. context + L - 1`` as the C++
     prefill reads it (``PrefillInputs``): query_scale ``[L]``, the cosines and sines of each
     query's near and far angle ``[L, d/2]``, each query's first near key ``near_from`` ``[L]``
     (``m - w + 1``), whether there are near keys at all (``banded``), and ``near_origin``, the
     first near key tile's position (a multiple of ``KEY_TILE`` at or before the first key any
-    near query sees)."""
+    near query sees). ``matrix_tiles``: the scores and P.V on AMX tiles, each float32 operand as
+    two bfloat16 parts (only where :func:`matrix_tiles_ready`)."""
     return packed(kernels().PrefillInputs(), query_scale=query_scale.float(), near_cos=near_cos, near_sin=near_sin,
                   far_cos=far_cos, far_sin=far_sin, near_from=near_from.to(torch.int64), context=context,
-                  banded=banded, near_origin=near_origin)
+                  banded=banded, near_origin=near_origin, matrix_tiles=matrix_tiles)
 
 
 def prefill_attention(inputs, *, query: torch.Tensor, near_keys: torch.Tensor, far_keys: torch.Tensor,

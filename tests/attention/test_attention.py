@@ -129,6 +129,34 @@ def test_16_bit_step_matches_oracle_to_one_rounding(use_kernel, dtype):
     assert (output.double() - expected).abs().max() > 0  # the output is in 16 bits: rounded, not float32 passed through
 
 
+# The prefill on AMX tiles (csrc/matrix_tiles.h) takes each float32 operand as two bfloat16 parts,
+# which hold it to 2^-17; with the low x low product left out, each product is within about
+# 2^-16 of float32's, against 2^-24. Fed float32 queries over a 16-bit cache, the output is not
+# rounded to 16 bits, so the float32 test's 2e-5 holds the float32 micro-kernel; the tiles get
+# 2^-14 (6.1e-5: 1.3e-5 measured here, at scores up to about 10 and outputs up to 3.4). One
+# operand taken as a single bfloat16 (stock vLLM's rounding) is 2^-9 off: about 5e-3 here.
+MATRIX_TILES_TOLERANCE = 2.0**-14
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@needs_compiler
+@pytest.mark.parametrize("matrix_tiles", [True, False], ids=["amx-tiles", "float32-micro-kernel"])
+def test_16_bit_cache_prefill_matches_oracle_in_float32(matrix_tiles, dtype, monkeypatch):
+    if matrix_tiles and not native.matrix_tiles_ready():
+        pytest.skip("no AMX on this CPU (or the kernels were built for another)")
+    monkeypatch.setattr(native, "matrix_tiles_ready", lambda: matrix_tiles)
+    step = paged_step(ROWS, seed=1, head=D, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK, dtype=dtype)
+    meta = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
+    impl = RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "auto")
+    query = step.query.float()
+    output = torch.empty_like(query)
+    impl.forward(None, query, step.key, step.value, step.cache, meta, output)
+    prefill = torch.cat([torch.arange(row.tokens.start, row.tokens.stop) for row in meta.prefill])
+    assert len(prefill) > 1000
+    torch.testing.assert_close(output[prefill].double(), step.expected()[prefill], rtol=0,
+                               atol=MATRIX_TILES_TOLERANCE if matrix_tiles else 2e-5)
+
+
 @needs_compiler
 def test_the_kernel_is_built_to_run_its_chunks_in_parallel():
     """Without OpenMP at build time ATen's parallel_for runs every chunk on one core."""

@@ -51,6 +51,7 @@ struct PrefillInputs {
   int64_t context = 0;      // tokens cached before the chunk
   bool banded = false;      // near keys given: false when every key is far
   int64_t near_origin = 0;  // near key tiles start here (a multiple of kKeyTile at or before the first near key)
+  bool matrix_tiles = false;  // scores and P.V on AMX tiles in bfloat16 parts (csrc/matrix_tiles.h)
 };
 
 // `body(Element{})` for the cache's element type: float, c10::BFloat16 or c10::Half (the kernels
@@ -74,6 +75,9 @@ torch::Tensor decode_attention(const rope_kernels::DecodeInputs& rows, const tor
 
 // query [L, H, d] unrotated, unscaled (any token and head strides); near_keys / far_keys
 // [kv, tiles, d, kKeyTile] (cache_key_tiles); values [kv, >= seq_len, d]. Returns [L, H, d].
+// Whether prefill_attention can take matrix_tiles: built for a CPU with AMX and granted its tile state.
+bool matrix_tiles_ready();
+
 torch::Tensor prefill_attention(const rope_kernels::PrefillInputs& row, const torch::Tensor& query,
                                 const torch::Tensor& near_keys, const torch::Tensor& far_keys,
                                 const torch::Tensor& values, double scale);

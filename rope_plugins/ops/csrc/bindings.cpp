@@ -9,6 +9,7 @@ using rope_kernels::PrefillInputs;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("KEY_TILE") = rope_kernels::kKeyTile;
   m.attr("DECODE_CHUNK") = rope_kernels::kDecodeChunk;
+  m.def("matrix_tiles_ready", &matrix_tiles_ready, "built with AMX and granted its tile state by the OS");
   py::class_<DecodeInputs>(m, "DecodeInputs")
       .def(py::init<>())
       .def_readwrite("query_scale", &DecodeInputs::query_scale)
@@ -35,7 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("context", &PrefillInputs::context)
       .def_readwrite("near_from", &PrefillInputs::near_from)
       .def_readwrite("banded", &PrefillInputs::banded)
-      .def_readwrite("near_origin", &PrefillInputs::near_origin);
+      .def_readwrite("near_origin", &PrefillInputs::near_origin)
+      .def_readwrite("matrix_tiles", &PrefillInputs::matrix_tiles);
   m.def("decode_attention", &decode_attention, "single-pass decode attention on the pre-rotation paged cache");
   m.def("write_cache", &write_cache, "the step's unrotated keys and values into their cache slots");
   m.def("cache_key_tiles", &cache_key_tiles, "one sequence's keys from the paged cache as turned key tiles");

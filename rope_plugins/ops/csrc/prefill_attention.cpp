@@ -1,5 +1,6 @@
 // One-pass prefill attention for one request's chunk (float32), the CPU twin of the Triton
-// prefill in rope_plugins/ops/gpu.py.
+// prefill in rope_plugins/ops/gpu.py. On a CPU with AMX, a 16-bit cache's scores and P.V run
+// on matrix tiles (csrc/matrix_tiles.h) with the same walk, softmax and accuracy to ~2^-16.
 //
 // The query at position m scores the key at n <= m as
 //   n >= near_from[m] : near_query[m] . near_keys[n]   (both at their plain-RoPE angle)
@@ -14,10 +15,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "attention_inputs.h"
+#include "matrix_tiles.h"
 #include "micro_gemm.h"
 #include "vector_math.h"
 
@@ -26,6 +30,9 @@ namespace {
 using rope_kernels::gemm_columns;
 using rope_kernels::kColumns;
 using rope_kernels::PrefillInputs;
+#if defined(ROPE_MATRIX_TILES)
+namespace tiles = rope_kernels::tiles;
+#endif
 
 constexpr int64_t kQueryTile = 64;  // queries per work item (times the kv head's query heads)
 constexpr int64_t kKeyStep = 256;   // keys per online-softmax update (8 micro-kernel tiles)
@@ -43,14 +50,25 @@ struct PrefillView {
   int64_t near_tiles, far_tiles, value_stride;
   float scale;
   float* out;
+  // matrix tiles (csrc/matrix_tiles.h): the key tiles and values as bfloat16 B operands, high and
+  // low parts, and whether each has any low part
+  bool tiles = false;
+  const uint16_t *near_high = nullptr, *near_low = nullptr, *far_high = nullptr, *far_low = nullptr;
+  const uint16_t *value_high = nullptr, *value_low = nullptr;
+  bool near_has_low = false, far_has_low = false, value_has_low = false;
+  int64_t value_tiles_stride = 0;  // a kv head's packed values: keys rounded up to whole tiles, times d
 };
 
 // A work item's buffers, one set per thread: row (t, g) is query t of the tile, query head g of its kv head.
 struct PrefillScratch {
   std::vector<float> near_tile, far_tile, scores, far_scores, acc, running_max, running_sum;
-  explicit PrefillScratch(int64_t rows, int64_t d)
+  // matrix tiles: the turned queries and the step's weights as bfloat16 high and low parts (A operands)
+  std::vector<uint16_t> near_high, near_low, far_high, far_low, weight_high, weight_low;
+  PrefillScratch(int64_t rows, int64_t d, bool tiles)
       : near_tile(rows * d), far_tile(rows * d), scores(rows * kKeyStep), far_scores(rows * kKeyStep),
-        acc(rows * d), running_max(rows), running_sum(rows) {}
+        acc(rows * d), running_max(rows), running_sum(rows), near_high(tiles ? rows * d : 0),
+        near_low(near_high.size()), far_high(near_high.size()), far_low(near_high.size()),
+        weight_high(tiles ? rows * kKeyStep : 0), weight_low(weight_high.size()) {}
 };
 
 // One work item: queries first_query .. + queries - 1 of kv head h; its queries' near keys start
@@ -118,15 +136,62 @@ void load_queries(const PrefillView& view, const QueryTile& tile, PrefillScratch
                            scratch.far_tile.data() + r * d, half, factor);
     }
   }
+#if defined(ROPE_MATRIX_TILES)
+  if (view.tiles) {  // whole tiles of rows: the rows past the tile's own are left over, finite, and unused
+    const int64_t elements = (tile.rows + tiles::kRows - 1) / tiles::kRows * tiles::kRows * d;
+    if (view.banded)
+      tiles::split_rows(scratch.near_tile.data(), elements, scratch.near_high.data(), scratch.near_low.data());
+    tiles::split_rows(scratch.far_tile.data(), elements, scratch.far_high.data(), scratch.far_low.data());
+  }
+#endif
   std::fill(scratch.acc.begin(), scratch.acc.begin() + tile.rows * d, 0.f);
   std::fill(scratch.running_max.begin(), scratch.running_max.begin() + tile.rows, kNegInf);
   std::fill(scratch.running_sum.begin(), scratch.running_sum.begin() + tile.rows, 0.f);
 }
 
+#if defined(ROPE_MATRIX_TILES)
+// score_keys on matrix tiles: every 16 rows of the query tile against the step's key tiles
+void score_keys_on_tiles(const PrefillView& view, const QueryTile& tile, int64_t first_key, int64_t keys,
+                         bool any_near, bool any_far, PrefillScratch& scratch) {
+  const int64_t d = view.d, tile_size = d * kColumns;
+  const int64_t far_at = tile.h * view.far_tiles * tile_size, near_at = tile.h * view.near_tiles * tile_size;
+  float* far_scores = any_near ? scratch.far_scores.data() : scratch.scores.data();
+  const int64_t padded = (keys + kColumns - 1) / kColumns * kColumns;
+  for (int64_t row = 0; row < tile.rows; row += tiles::kRows) {
+    if (any_near) {
+      const int64_t at = near_at + (first_key - view.near_origin) * d;
+      tiles::score_run(scratch.near_high.data() + row * d, scratch.near_low.data() + row * d, d, view.near_high + at,
+                       view.near_low + at, view.near_has_low, padded, scratch.scores.data() + row * kKeyStep,
+                       kKeyStep);
+    }
+    if (any_far)
+      tiles::score_run(scratch.far_high.data() + row * d, scratch.far_low.data() + row * d, d,
+                       view.far_high + far_at + first_key * d, view.far_low + far_at + first_key * d,
+                       view.far_has_low, padded, far_scores + row * kKeyStep, kKeyStep);
+  }
+}
+
+// sum_values on matrix tiles, 16 rows at a time: the weights softmax_step left in bfloat16
+// parts (rows past the tile's own are left over, finite, and unused)
+void sum_values_on_tiles(const PrefillView& view, const QueryTile& tile, int64_t first_key, int64_t keys,
+                         PrefillScratch& scratch) {
+  const int64_t d = view.d, padded = (keys + kColumns - 1) / kColumns * kColumns;
+  const int64_t values_at = tile.h * view.value_tiles_stride + first_key * d;
+  for (int64_t row = 0; row < tile.rows; row += tiles::kRows) {
+    tiles::add_values(scratch.weight_high.data() + row * kKeyStep, scratch.weight_low.data() + row * kKeyStep,
+                      kKeyStep, padded, view.value_high + values_at, view.value_low + values_at,
+                      view.value_has_low, d, scratch.acc.data() + row * d);
+  }
+}
+#endif
+
 // scores of keys first_key .. + keys - 1, 32 at a time: near into scores, far into far_scores
 // when both are needed; keys past the sequence's end are read from the tiles' zero padding
 void score_keys(const PrefillView& view, const QueryTile& tile, int64_t first_key, int64_t keys, bool any_near,
                 bool any_far, PrefillScratch& scratch) {
+#if defined(ROPE_MATRIX_TILES)
+  if (view.tiles) return score_keys_on_tiles(view, tile, first_key, keys, any_near, any_far, scratch);
+#endif
   const int64_t d = view.d, tile_size = d * kColumns;
   const float* far_keys = view.far_keys + tile.h * view.far_tiles * tile_size;
   const float* near_keys = view.banded ? view.near_keys + tile.h * view.near_tiles * tile_size : nullptr;
@@ -140,6 +205,20 @@ void score_keys(const PrefillView& view, const QueryTile& tile, int64_t first_ke
       gemm_columns(scratch.far_tile.data(), d, far_keys + key * d, kColumns, far_scores + tile_key, kKeyStep,
                    tile.rows, d, false);
   }
+}
+
+// one row's online-softmax step (rope_kernels::softmax_step); on matrix tiles its weights go
+// straight into their bfloat16 parts, zero to the end of the last 32-key tile
+inline float softmax_step(const PrefillView& view, float* row_scores, int64_t keys, int64_t r,
+                          PrefillScratch& scratch) {
+#if defined(ROPE_MATRIX_TILES)
+  if (view.tiles)
+    return tiles::softmax_step_to_parts(row_scores, keys, (keys + kColumns - 1) / kColumns * kColumns,
+                                        scratch.running_max[r], scratch.running_sum[r],
+                                        scratch.weight_high.data() + r * kKeyStep,
+                                        scratch.weight_low.data() + r * kKeyStep);
+#endif
+  return rope_kernels::softmax_step(row_scores, keys, scratch.running_max[r], scratch.running_sum[r]);
 }
 
 // each row's scores of these keys: far ones picked before its first near key, the causal edge masked,
@@ -162,8 +241,7 @@ void softmax_keys(const PrefillView& view, const QueryTile& tile, int64_t first_
 #pragma omp simd
         for (int64_t j = 0; j < keys; ++j) row_scores[j] = first_distance - j >= 0 ? row_scores[j] : kNegInf;
       }
-      const float correction =
-          rope_kernels::softmax_step(row_scores, keys, scratch.running_max[r], scratch.running_sum[r]);
+      const float correction = softmax_step(view, row_scores, keys, r, scratch);
       if (correction != 1.f) {
         float* row_acc = scratch.acc.data() + r * view.d;
 #pragma omp simd
@@ -176,6 +254,9 @@ void softmax_keys(const PrefillView& view, const QueryTile& tile, int64_t first_
 // acc[rows, d] += P[rows, keys] . V[keys, d], 32 value dims at a time
 void sum_values(const PrefillView& view, const QueryTile& tile, int64_t first_key, int64_t keys,
                 PrefillScratch& scratch) {
+#if defined(ROPE_MATRIX_TILES)
+  if (view.tiles) return sum_values_on_tiles(view, tile, first_key, keys, scratch);
+#endif
   const float* values = view.values + tile.h * view.value_stride * view.d;
   for (int64_t column = 0; column < view.d; column += kColumns)
     gemm_columns(scratch.scores.data(), kKeyStep, values + first_key * view.d + column, view.d,
@@ -208,18 +289,93 @@ void attend_query_tile(const PrefillView& view, int64_t item, PrefillScratch& sc
   write_output(view, tile, scratch);
 }
 
+#if defined(ROPE_MATRIX_TILES)
+// An operand as bfloat16 high and low parts, and whether any low part is non-zero.
+struct PackedOperand {
+  torch::Tensor high, low;
+  bool has_low = false;
+};
+
+const uint16_t* bits(const torch::Tensor& packed) { return reinterpret_cast<const uint16_t*>(packed.data_ptr()); }
+uint16_t* bits(torch::Tensor& packed) { return reinterpret_cast<uint16_t*>(packed.data_ptr()); }
+
+// key tiles [kv, tiles, d, 32] as B operands, tile by tile in parallel
+PackedOperand pack_key_operand(const torch::Tensor& key_tiles) {
+  const int64_t d = key_tiles.size(2), tile_size = d * kColumns;
+  PackedOperand packed{torch::empty({key_tiles.numel()}, torch::kInt16), torch::empty({key_tiles.numel()}, torch::kInt16)};
+  std::atomic<bool> has_low{false};
+  at::parallel_for(0, key_tiles.size(0) * key_tiles.size(1), 16, [&](int64_t begin, int64_t end) {
+    if (tiles::pack_key_tiles(key_tiles.data_ptr<float>() + begin * tile_size, end - begin, d,
+                              bits(packed.high) + begin * tile_size, bits(packed.low) + begin * tile_size))
+      has_low = true;
+  });
+  packed.has_low = has_low;
+  return packed;
+}
+
+// values [kv, S, d] as B operands [kv, S rounded up to whole tiles / 2, d, 2], head by head in parallel
+PackedOperand pack_value_operand(const torch::Tensor& values, int64_t padded) {
+  const int64_t kv = values.size(0), keys = values.size(1), d = values.size(2);
+  PackedOperand packed{torch::empty({kv * padded * d}, torch::kInt16), torch::empty({kv * padded * d}, torch::kInt16)};
+  std::atomic<bool> has_low{false};
+  at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      if (tiles::pack_values(values.data_ptr<float>() + h * keys * d, keys, padded, d,
+                             bits(packed.high) + h * padded * d, bits(packed.low) + h * padded * d))
+        has_low = true;
+  });
+  packed.has_low = has_low;
+  return packed;
+}
+
+// the view's operands on matrix tiles; `kept` holds them for the call
+void use_matrix_tiles(PrefillView& view, const torch::Tensor& near_keys, const torch::Tensor& far_keys,
+                      const torch::Tensor& values, std::vector<PackedOperand>& kept) {
+  const int64_t padded = (values.size(1) + kColumns - 1) / kColumns * kColumns;
+  kept.push_back(pack_key_operand(far_keys));
+  kept.push_back(pack_value_operand(values, padded));
+  kept.push_back(view.banded ? pack_key_operand(near_keys) : PackedOperand{});
+  const auto& [far, value, near] = std::tie(kept[0], kept[1], kept[2]);
+  view.tiles = true;
+  view.far_high = bits(far.high), view.far_low = bits(far.low), view.far_has_low = far.has_low;
+  view.value_high = bits(value.high), view.value_low = bits(value.low), view.value_has_low = value.has_low;
+  view.value_tiles_stride = padded * view.d;
+  if (view.banded) view.near_high = bits(near.high), view.near_low = bits(near.low), view.near_has_low = near.has_low;
+}
+#endif
+
 }  // namespace
+
+bool matrix_tiles_ready() {
+#if defined(ROPE_MATRIX_TILES)
+  return rope_kernels::tiles::granted();
+#else
+  return false;
+#endif
+}
 
 torch::Tensor prefill_attention(const PrefillInputs& row, const torch::Tensor& query, const torch::Tensor& near_keys,
                                 const torch::Tensor& far_keys, const torch::Tensor& values, double scale) {
   auto output = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  const PrefillView view = prefill_view(row, query, near_keys, far_keys, values, scale, output);
+  PrefillView view = prefill_view(row, query, near_keys, far_keys, values, scale, output);
+  TORCH_CHECK(!row.matrix_tiles || matrix_tiles_ready(), "prefill_attention: matrix tiles asked for, but this "
+              "build or CPU has no AMX (matrix_tiles_ready() is false)");
+#if defined(ROPE_MATRIX_TILES)
+  std::vector<PackedOperand> kept;
+  if (row.matrix_tiles) use_matrix_tiles(view, near_keys, far_keys, values, kept);
+#endif
   const int64_t items = (view.chunk + kQueryTile - 1) / kQueryTile * view.kv_heads;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    PrefillScratch scratch(kQueryTile * view.queries_per_kv, view.d);
+    PrefillScratch scratch(kQueryTile * view.queries_per_kv, view.d, view.tiles);
+#if defined(ROPE_MATRIX_TILES)
+    if (view.tiles) tiles::configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) attend_query_tile(view, item, scratch);
+#if defined(ROPE_MATRIX_TILES)
+    if (view.tiles) tiles::release();
+#endif
   }
   return output;
 }
