@@ -130,11 +130,12 @@ def test_16_bit_step_matches_oracle_to_one_rounding(use_kernel, dtype):
 
 
 # The prefill on AMX tiles (csrc/matrix_tiles.h) takes each float32 operand as two bfloat16 parts,
-# which hold it to 2^-17; with the low x low product left out, each product is within about
-# 2^-16 of float32's, against 2^-24. Fed float32 queries over a 16-bit cache, the output is not
-# rounded to 16 bits, so the float32 test's 2e-5 holds the float32 micro-kernel; the tiles get
-# 2^-14 (6.1e-5: 1.3e-5 measured here, at scores up to about 10 and outputs up to 3.4). One
-# operand taken as a single bfloat16 (stock vLLM's rounding) is 2^-9 off: about 5e-3 here.
+# which hold it to 2^-16 (two roundings of 2^-8); with the low x low product left out, each
+# product is within about 2^-15 of float32's, against 2^-23. Fed float32 queries over a 16-bit
+# cache, the output is not rounded to 16 bits, so the float32 test's 2e-5 holds the float32
+# micro-kernel; the tiles get 2^-14 (6.1e-5: 1.3e-5 measured here, at outputs up to 3.4, the
+# errors of the products partly cancelling). One operand taken as a single bfloat16 (stock
+# vLLM's rounding) is 2^-8 off: the queries' low parts left out gave 6.6e-3 here (4.7e-3 in float16).
 MATRIX_TILES_TOLERANCE = 2.0**-14
 
 

@@ -97,7 +97,7 @@ struct WidenedKeys {
 
 #if defined(__AVX512BF16__)
 // Raw bfloat16 keys as they lie in the cache, against each query split in two bfloat16 parts
-// (q = high + low, to 2^-17 of q): vdpbf16ps multiplies the 16-bit pairs exactly and sums in
+// (q = high + low, to 2^-16 of q: each part rounds to 2^-8): vdpbf16ps multiplies the 16-bit pairs exactly and sums in
 // float32, so a key is used without being widened. prepare() splits the queries once per run.
 template <int64_t d>
 struct RawBfloat16Keys {

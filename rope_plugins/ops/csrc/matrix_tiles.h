@@ -3,11 +3,11 @@
 // attention takes them in bfloat16, where the float32 micro-kernel (micro_gemm.h) left the
 // plugin's prefill 2.8x slower than stock vLLM's at 8k on such a CPU.
 //
-// A float32 operand x is taken as two bfloat16 parts, high = bf16(x) and low = bf16(x - high),
-// which hold x to 2^-17 of it; the products high.high + low.high + high.low are exact and
-// summed in float32 (low.low, under 2^-16 of the product, is left out). So the scores and P.V
-// stay within about 2^-16 of float32's, where one bfloat16 rounding of each operand (stock
-// vLLM's) is 2^-9 off. Operands that are whole bfloat16 numbers (raw keys and values of a
+// A float32 operand x is taken as two bfloat16 parts, high = bf16(x) and low = bf16(x - high):
+// each rounding is within 2^-8, so together they hold x to 2^-16 of it. The products
+// high.high + low.high + high.low are exact and summed in float32 (low.low, under 2^-16 of the
+// product, is left out), so each product is within about 2^-15 of float32's, where one
+// bfloat16 rounding of each operand (stock vLLM's) leaves it 2^-7 off. Operands that are whole bfloat16 numbers (raw keys and values of a
 // bfloat16 cache) have no low part and skip its product.
 #pragma once
 
@@ -88,6 +88,24 @@ inline void interleave16(const float* even, const float* odd, uint16_t* high, ui
   _mm512_storeu_si512(low, pairs(even_low, odd_low));
 }
 
+// exp(x) for x <= 0 in 16 lanes (-inf and x < -87 giving 0): 2^(x log2 e) as 2^n by vscalefps
+// times 2^f (|f| <= 1/2) by its degree-6 Taylor polynomial (within 2^-23 of it). x log2 e is
+// rounded once, 2^-24 of it: under 2^-20 of the result for x >= -10, the weights that count.
+inline __m512 exp_by_scale(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_maskz_scalef_ps(kept, p, n);
+}
+
 // rope_kernels::softmax_step with its weights written as A operands: exp(score - max) of
 // scores[0 .. count) as bfloat16 high and low parts, zero up to `padded` (whole 32-key tiles), in
 // one pass. Returns the rescaling factor of what the row has summed.
@@ -101,7 +119,7 @@ inline float softmax_step_to_parts(const float* scores, int64_t count, int64_t p
   for (int64_t j = 0; j < padded; j += 16) {
     const __mmask16 inside = static_cast<__mmask16>(count - j >= 16 ? 0xFFFF : count > j ? (1u << (count - j)) - 1 : 0);
     const __m512 weight = _mm512_maskz_mov_ps(
-        inside, avx512::exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(inside, scores + j), shift)));
+        inside, exp_by_scale(_mm512_sub_ps(_mm512_maskz_loadu_ps(inside, scores + j), shift)));
     total = _mm512_add_ps(total, weight);
     __m256i h, l;
     split16(weight, h, l, unused);
