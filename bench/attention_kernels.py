@@ -166,7 +166,7 @@ def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0):
     ``resident_blocks`` the block table wraps around the cache's first blocks, which stay in L2:
     the kernel's arithmetic without the wait for memory."""
     from rope_plugins.attention.planner import DECODE_FAR_STEP
-    from rope_plugins.ops import native
+    from rope_plugins.ops import cpu, native
 
     def prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         rows, seq = key.shape[:2]
@@ -189,7 +189,9 @@ def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0):
             far_step_sin=zeros(1, -(-seq // step)), far_offset_cos=ones(1, step), far_offset_sin=zeros(1, step),
             far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64))
         # as the engine calls it (rope_plugins/ops/cpu.py): a float32 query, the output in the model's dtype
-        return lambda: native.decode_attention(inputs, query=query.float(), kv_cache=cache, scale=SCALE).to(query.dtype)
+        tiles = cpu.uses_matrix_tiles(cache)
+        return lambda: native.decode_attention(inputs, query=query.float(), kv_cache=cache, scale=SCALE,
+                                               matrix_tiles=tiles).to(query.dtype)
 
     return prepare
 

@@ -66,8 +66,9 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the caches the
 
 
 def uses_matrix_tiles(kv_cache: torch.Tensor) -> bool:
-    """A 16-bit cache's prefill takes AMX tiles where the CPU has them, as stock vLLM's does in
-    bfloat16 (float32 stays on the float32 micro-kernel)."""
+    """A 16-bit cache's prefill (and a bfloat16 cache's raw keys in decode) take AMX tiles where
+    the CPU has them, as stock vLLM's attention does in bfloat16 (float32 stays on the float32
+    micro-kernel)."""
     return kv_cache.dtype != torch.float32 and native.matrix_tiles_ready()
 
 
@@ -162,8 +163,8 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
     (it reads the paged cache in place and rotates as it goes), else :func:`decode_plain`."""
     if not (use_kernel and kv_cache.dtype in KERNEL_DTYPES and built_kernels() is not None):
         return decode_plain(query, kv_cache, plan, queries, scale=scale)
-    return native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache,
-                                   scale=scale).to(query.dtype)
+    return native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache, scale=scale,
+                                   matrix_tiles=uses_matrix_tiles(kv_cache)).to(query.dtype)
 
 
 def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,

@@ -133,10 +133,12 @@ def decode_inputs(*, query_scale: torch.Tensor, query_cos: torch.Tensor, query_s
                   far_table=index(far_table))
 
 
-def decode_attention(inputs, *, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(inputs, *, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+                     matrix_tiles: bool = False) -> torch.Tensor:
     """Single-pass decode of the rows of ``inputs`` (:func:`decode_inputs`) over the paged cache,
-    float32: query ``[R, H, d]`` unrotated and unscaled, kv_cache ``[blocks, kv, bs, 2d]``. Returns ``[R, H, d]``."""
-    return kernels().decode_attention(inputs, query, kv_cache, scale)
+    float32: query ``[R, H, d]`` unrotated and unscaled, kv_cache ``[blocks, kv, bs, 2d]``. Returns ``[R, H, d]``.
+    ``matrix_tiles``: a bfloat16 cache's raw keys on AMX tiles (only where :func:`matrix_tiles_ready`)."""
+    return kernels().decode_attention(inputs, query, kv_cache, scale, matrix_tiles)
 
 
 def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
