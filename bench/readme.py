@@ -23,8 +23,11 @@ DOCUMENT = ROOT / "bench" / "README.md"
 RENDERERS = {
     "speed": ("speed", "markdown"),
     "speed_bfloat16": ("speed", "markdown"),
+    "speed_bfloat16_amx": ("speed", "markdown"),
     "attention_kernels": ("attention_kernels", "markdown"),
+    "attention_kernels_bfloat16": ("attention_kernels", "markdown"),
     "decode_bandwidth": ("decode_bandwidth", "markdown"),
+    "decode_bandwidth_amx": ("decode_bandwidth", "markdown"),
     "transformers_baseline": ("transformers_baseline", "markdown"),
     "llama_cpp_speed": ("llama_cpp_speed", "markdown"),
     "eval": ("evaluate", "markdown"),
