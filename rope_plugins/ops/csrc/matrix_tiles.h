@@ -24,6 +24,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "attention_inputs.h"
 #include "decode_vector.h"
 #include "vector_math.h"
 
@@ -31,7 +32,7 @@ namespace rope_kernels::tiles {
 
 constexpr int64_t kRows = 16;   // rows of every tile (queries, dimension pairs or key pairs)
 constexpr int64_t kDepth = 32;  // bfloat16 elements of one A row: 16 pairs, 64 bytes
-constexpr int64_t kTileKeys = 32;
+constexpr int64_t kTileKeys = kKeyTile;  // keys per key tile, as the float32 tiles hold them
 
 // Linux grants a process the AMX tile state only on request; a process that never asked faults on
 // its first tile instruction (vLLM's worker asks at start, a bare interpreter does not).

@@ -38,6 +38,9 @@ constexpr int64_t kQueryTile = 64;  // queries per work item (times the kv head'
 constexpr int64_t kKeyStep = 256;   // keys per online-softmax update (8 micro-kernel tiles)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// keys rounded up to whole key tiles: what the matrix tiles compute and the packed operands hold
+constexpr int64_t whole_key_tiles(int64_t keys) { return (keys + kColumns - 1) / kColumns * kColumns; }
+
 // One layer's call as raw pointers.
 struct PrefillView {
   const float* query;
@@ -156,7 +159,7 @@ void score_keys_on_tiles(const PrefillView& view, const QueryTile& tile, int64_t
   const int64_t d = view.d, tile_size = d * kColumns;
   const int64_t far_at = tile.h * view.far_tiles * tile_size, near_at = tile.h * view.near_tiles * tile_size;
   float* far_scores = any_near ? scratch.far_scores.data() : scratch.scores.data();
-  const int64_t padded = (keys + kColumns - 1) / kColumns * kColumns;
+  const int64_t padded = whole_key_tiles(keys);
   for (int64_t row = 0; row < tile.rows; row += tiles::kRows) {
     if (any_near) {
       const int64_t at = near_at + (first_key - view.near_origin) * d;
@@ -175,7 +178,7 @@ void score_keys_on_tiles(const PrefillView& view, const QueryTile& tile, int64_t
 // parts (rows past the tile's own are left over, finite, and unused)
 void sum_values_on_tiles(const PrefillView& view, const QueryTile& tile, int64_t first_key, int64_t keys,
                          PrefillScratch& scratch) {
-  const int64_t d = view.d, padded = (keys + kColumns - 1) / kColumns * kColumns;
+  const int64_t d = view.d, padded = whole_key_tiles(keys);
   const int64_t values_at = tile.h * view.value_tiles_stride + first_key * d;
   for (int64_t row = 0; row < tile.rows; row += tiles::kRows) {
     tiles::add_values(scratch.weight_high.data() + row * kKeyStep, scratch.weight_low.data() + row * kKeyStep,
@@ -213,7 +216,7 @@ inline float softmax_step(const PrefillView& view, float* row_scores, int64_t ke
                           PrefillScratch& scratch) {
 #if defined(ROPE_MATRIX_TILES)
   if (view.tiles)
-    return tiles::softmax_step_to_parts(row_scores, keys, (keys + kColumns - 1) / kColumns * kColumns,
+    return tiles::softmax_step_to_parts(row_scores, keys, whole_key_tiles(keys),
                                         scratch.running_max[r], scratch.running_sum[r],
                                         scratch.weight_high.data() + r * kKeyStep,
                                         scratch.weight_low.data() + r * kKeyStep);
@@ -331,7 +334,7 @@ PackedOperand pack_value_operand(const torch::Tensor& values, int64_t padded) {
 // the view's operands on matrix tiles; `kept` holds them for the call
 void use_matrix_tiles(PrefillView& view, const torch::Tensor& near_keys, const torch::Tensor& far_keys,
                       const torch::Tensor& values, std::vector<PackedOperand>& kept) {
-  const int64_t padded = (values.size(1) + kColumns - 1) / kColumns * kColumns;
+  const int64_t padded = whole_key_tiles(values.size(1));
   kept.push_back(pack_key_operand(far_keys));
   kept.push_back(pack_value_operand(values, padded));
   kept.push_back(view.banded ? pack_key_operand(near_keys) : PackedOperand{});
