@@ -116,19 +116,22 @@ inline __m512 exp_by_scale(__m512 x) {
 inline float softmax_step_to_parts(const float* scores, int64_t count, int64_t padded, float& running_max,
                                    float& running_sum, uint16_t* high, uint16_t* low) {
   const float maximum = max_of(scores, count, running_max);
-  const float correction = exp_nonpositive(running_max - maximum);
+  const float correction = rescaling(running_max, maximum);
   const __m512 shift = _mm512_set1_ps(maximum);
   __m512 total = _mm512_setzero_ps();
   __m512i unused = _mm512_setzero_si512();
-  for (int64_t j = 0; j < padded; j += 16) {
-    const __mmask16 inside = static_cast<__mmask16>(count - j >= 16 ? 0xFFFF : count > j ? (1u << (count - j)) - 1 : 0);
-    const __m512 weight = _mm512_maskz_mov_ps(
-        inside, exp_by_scale(_mm512_sub_ps(_mm512_maskz_loadu_ps(inside, scores + j), shift)));
+  const auto put = [&](int64_t j, __m512 weight) {
     total = _mm512_add_ps(total, weight);
     __m256i h, l;
     split16(weight, h, l, unused);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + j), h);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + j), l);
+  };
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) put(j, exp_by_scale(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift)));
+  for (; j < padded; j += 16) {  // the last scores, then zeros
+    const __mmask16 inside = static_cast<__mmask16>(count > j ? (1u << (count - j)) - 1 : 0);
+    put(j, _mm512_maskz_mov_ps(inside, exp_by_scale(_mm512_sub_ps(_mm512_maskz_loadu_ps(inside, scores + j), shift))));
   }
   running_sum = running_sum * correction + _mm512_reduce_add_ps(total);
   running_max = maximum;

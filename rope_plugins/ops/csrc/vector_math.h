@@ -41,10 +41,19 @@ inline float max_of(const float* __restrict scores, int64_t count, float floor) 
 #pragma omp simd
     for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], scores[j + l]);
   }
-  float maximum = floor;
-  for (; j < count; ++j) maximum = std::max(maximum, scores[j]);
-  for (int64_t l = 0; l < kLanes; ++l) maximum = std::max(maximum, lanes[l]);
-  return maximum;
+  for (; j < count; ++j) lanes[0] = std::max(lanes[0], scores[j]);
+  // folded in halves (4 dependent steps, not 16: the fold is paid once per row and key step)
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+#pragma omp simd
+    for (int64_t l = 0; l < width; ++l) lanes[l] = std::max(lanes[l], lanes[l + width]);
+  }
+  return lanes[0];
+}
+
+// The factor by which what a row has summed under `running_max` is rescaled to `maximum`: 1
+// without the exp where the maximum did not move, as it mostly does not once a row has begun.
+inline float rescaling(float running_max, float maximum) {
+  return maximum == running_max ? 1.f : exp_nonpositive(running_max - maximum);
 }
 
 // scores[j] = exp(scores[j] - maximum) for j < count (maximum at least every score); returns their sum.
@@ -120,7 +129,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
 // what the row has already summed must be rescaled (0 on its first step).
 inline float softmax_step(float* __restrict scores, int64_t count, float& running_max, float& running_sum) {
   const float maximum = max_of(scores, count, running_max);
-  const float correction = exp_nonpositive(running_max - maximum);
+  const float correction = rescaling(running_max, maximum);
   running_sum = running_sum * correction + exponentiate(scores, count, maximum);
   running_max = maximum;
   return correction;
