@@ -100,16 +100,17 @@ class SideBySide:
         self.vocab = plugin.llm_engine.vllm_config.model_config.get_vocab_size()
 
     @classmethod
-    def start(cls, model: str, **common) -> "SideBySide":
+    def start(cls, model: str, attention_precision: str | None = None, **common) -> "SideBySide":
         """Both engines on ``model`` with the same engine arguments; stock vLLM's
         ``max_position_embeddings`` raised to ``max_model_len`` so that it accepts as long a
-        prompt, the plugin's default method ReRoPE."""
+        prompt, the plugin's default method ReRoPE (``attention_precision``: its AMX tiles' arithmetic)."""
         from vllm import LLM
 
         from rope_plugins.frontend.engine_args import engine_kwargs
 
         stock = LLM(model=model, hf_overrides={"max_position_embeddings": common["max_model_len"]}, **common)
-        return cls(stock, LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **common)))
+        return cls(stock, LLM(**engine_kwargs(model, defaults={"method": "rerope"},
+                                              attention_precision=attention_precision, **common)))
 
     def prompt(self, rng: random.Random, length: int) -> list[int]:
         return random_prompt(rng, self.vocab, length)
@@ -220,6 +221,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
     parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
                         help="both engines' model dtype (weights, activations and KV cache)")
+    parser.add_argument("--attention-precision", choices=["float32", "bfloat16"], default="float32",
+                        help="the plugin's attention on AMX tiles (a 16-bit model on an Intel Xeon): each operand "
+                             "to 2^-16 (float32) or rounded once, as stock vLLM's (bfloat16)")
     parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
     parser.add_argument("--show-rep", type=int, metavar="REP",
                         help="print the table of one repetition (1-based) from --out and stop")
@@ -249,6 +253,13 @@ def main() -> None:
     report = run.write_report()
     plot(report, args.out.with_suffix(".png"))
     print_summary(report)
+
+
+def model_dtype(args: argparse.Namespace) -> str:
+    """The model's dtype as the report names it, with the plugin's attention precision where it is not the default."""
+    if args.attention_precision == "float32":
+        return args.dtype
+    return f"{args.dtype}; the plugin's attention precision {args.attention_precision}"
 
 
 def kv_bytes_per_token(llm) -> float:
@@ -283,7 +294,9 @@ class SpeedRun:
         longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
         max_len = 1 << (longest - 1).bit_length()
         compute_on_every_core()  # the same cores for stock and plugin
-        return cls(args, SideBySide.start(model, **engine_arguments(max_len, dtype=args.dtype)), model, bandwidth)
+        engines = SideBySide.start(model, attention_precision=args.attention_precision,
+                                   **engine_arguments(max_len, dtype=args.dtype))
+        return cls(args, engines, model, bandwidth)
 
     def measure_batch(self, rng: random.Random) -> None:
         """A batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM, once
@@ -341,7 +354,8 @@ class SpeedRun:
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores",
             "memory_bandwidth": self.bandwidth, "weight_bytes": weight_bytes(self.model, DTYPE_BYTES[args.dtype]),
-            "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype, "reps": args.reps,
+            "model": f"SmolLM2-135M-Instruct ({model_dtype(args)})", "dtype": args.dtype, "reps": args.reps,
+            "attention_precision": args.attention_precision,
             "decode_tokens": args.decode_tokens,
             "lengths": args.lengths, "scaling_lengths": self.all_lengths,
             "median": {c: self.medians(c, args.lengths) for c in CONFIGS},

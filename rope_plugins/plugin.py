@@ -11,6 +11,10 @@ BACKEND_NAME = "ROPE_EXTEND"
 # where the engine's config says which attention ops to run (``additional_config``)
 OPS_KEY = "rope_extend_attention_ops"
 ATTENTION_OPS = ("cpu", "triton")
+# where it says the arithmetic of the CPU attention's AMX tiles (bfloat16 caches): float32-grade
+# operands (two bfloat16 parts each; the default) or each rounded once to bfloat16, as stock vLLM's
+PRECISION_KEY = "rope_extend_attention_precision"
+ATTENTION_PRECISIONS = ("float32", "bfloat16")
 # The stock architectures served with rotation moved into the plugin's attention.
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 

@@ -47,6 +47,7 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
 from rope_plugins.frontend.engine_args import plugin_engine_config, settings_processor
+from rope_plugins.plugin import ATTENTION_PRECISIONS
 from rope_plugins.rules.settings import (
     AUTO,
     EXTRA_ARGS_KEY,
@@ -158,11 +159,12 @@ def vllm_cli_available() -> bool:
 
 
 def serve_command(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
-                  prefix_caching: bool = True) -> list[tuple[str, ...]]:
+                  prefix_caching: bool = True, attention_precision: str | None = None) -> list[tuple[str, ...]]:
     """``vllm serve`` serving ``model`` with the plugin, as argument groups (a flag and its value);
     where the ``vllm`` command cannot start (:func:`vllm_cli_available`), the same server as
     ``python -m vllm.entrypoints.openai.api_server --model``."""
-    config = plugin_engine_config(model, defaults=defaults, max_model_len=max_model_len)
+    config = plugin_engine_config(model, defaults=defaults, max_model_len=max_model_len,
+                                  attention_precision=attention_precision)
     processor = settings_processor(SettingsTracker, SettingsAdmission)
     start = ("vllm", "serve", model) if vllm_cli_available() else (
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model)
@@ -207,11 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-n", action="store_true", default=None, help="log-n query scaling by default")
     parser.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
                         help="serve per-request settings (with prefix caching on, only the default is served)")
+    parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS,
+                        help="a bfloat16 model's attention on AMX tiles: float32 (default) keeps each operand to "
+                             "2^-16, bfloat16 rounds it once, as stock vLLM does (faster)")
     args = vars(parser.parse_args(argv))
     defaults = {name: args[name] for name in ("method", *DEFAULT_NUMBERS, "log_n") if args[name] is not None}
     try:
         groups = serve_command(args["checkpoint"], defaults=defaults, max_model_len=args["max_model_len"],
-                               prefix_caching=args["prefix_caching"])
+                               prefix_caching=args["prefix_caching"],
+                               attention_precision=args["attention_precision"])
     except (SettingsError, ValueError) as error:
         parser.error(str(error))
     print(shell_command(groups))

@@ -131,6 +131,7 @@ class EngineService:
             logger.info("dtype %s: serving %s", config.dtype, dtype)
         kwargs = engine_kwargs(
             model, defaults=self.engine_default, max_model_len=config.max_model_len, dtype=dtype,
+            attention_precision=config.attention_precision,
             kv_cache_memory_bytes=config.kv_cache_memory, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             enforce_eager=config.enforce_eager, served_model_name=self.model_name or None, seed=0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from rope_plugins.attention.planner import KernelPlan, StepPlan, StepPlanner, kernel_plan
 from rope_plugins.ops import cpu
-from rope_plugins.plugin import BACKEND_NAME, OPS_KEY
+from rope_plugins.plugin import ATTENTION_PRECISIONS, BACKEND_NAME, OPS_KEY, PRECISION_KEY
 from rope_plugins.worker.requests import step_tables
 from rope_plugins.worker.row_tables import RowTables
 
@@ -32,6 +32,16 @@ from rope_plugins.worker.row_tables import RowTables
 def runs_triton(vllm_config: VllmConfig, device: torch.device) -> bool:
     """CUDA tensors take the Triton kernels; CPU ones too when the engine's config says so."""
     return device.type == "cuda" or (vllm_config.additional_config or {}).get(OPS_KEY) == "triton"
+
+
+def rounds_operands_once(vllm_config: VllmConfig | None) -> bool:
+    """Whether the CPU attention's AMX tiles take each operand rounded once to bfloat16 (the
+    engine's ``PRECISION_KEY`` is ``"bfloat16"``) rather than as two bfloat16 parts (``"float32"``,
+    the default; also without an engine, as the tests build the impl). Raises ValueError on any other value."""
+    precision = ((vllm_config.additional_config if vllm_config else None) or {}).get(PRECISION_KEY, "float32")
+    if precision not in ATTENTION_PRECISIONS:
+        raise ValueError(f"additional_config {PRECISION_KEY} must be one of {ATTENTION_PRECISIONS}, not {precision!r}")
+    return precision == "bfloat16"
 
 
 class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan | KernelPlan]):
@@ -78,6 +88,7 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.use_kernel = True  # the tests switch it off to hold the plain PyTorch path against the oracle
+        self.rounded_once = rounds_operands_once(get_current_vllm_config_or_none())
         if not torch.cuda.is_available():
             cpu.built_kernels()  # build or load them now, at model construction, not inside the first step
 
@@ -104,10 +115,12 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
             cpu.write_cache(key, value, kv_cache, plan.slot_mapping, use_kernel=self.use_kernel)
         if plan.decode is not None:
             output[plan.decode.tokens] = cpu.decode(query[plan.decode.tokens], kv_cache, plan.decode, plan.query,
-                                                    scale=self.scale, use_kernel=self.use_kernel)
+                                                    scale=self.scale, use_kernel=self.use_kernel,
+                                                    rounded_once=self.rounded_once)
         for row in plan.prefill:
             output[row.tokens] = cpu.prefill(query[row.tokens], plan.query, kv_cache, plan.block_table[row.row], row,
-                                             scale=self.scale, use_kernel=self.use_kernel)
+                                             scale=self.scale, use_kernel=self.use_kernel,
+                                             rounded_once=self.rounded_once)
         return output
 
 

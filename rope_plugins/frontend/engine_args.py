@@ -20,7 +20,14 @@ from typing import Any
 
 from vllm import SamplingParams
 
-from rope_plugins.plugin import ATTENTION_OPS, FAMILIES, OPS_KEY, extended_architecture
+from rope_plugins.plugin import (
+    ATTENTION_OPS,
+    ATTENTION_PRECISIONS,
+    FAMILIES,
+    OPS_KEY,
+    PRECISION_KEY,
+    extended_architecture,
+)
 from rope_plugins.rules.checkpoint import (
     DUAL_CHUNK_CONFIG,
     UnsupportedCheckpoint,
@@ -147,7 +154,8 @@ def default_settings(model: str, fields: dict[str, Any] | None) -> ExtensionSett
 
 def plugin_engine_config(model: str, *, defaults: dict[str, Any] | ExtensionSettings | None = None,
                          max_model_len: int | None = None,
-                         attention_ops: str | None = None, hf_overrides: dict[str, Any] | None = None,
+                         attention_ops: str | None = None, attention_precision: str | None = None,
+                         hf_overrides: dict[str, Any] | None = None,
                          additional_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's own engine arguments that serve ``model`` with the plugin: ``hf_overrides`` (the
     plugin's architecture, the engine's default settings, ``max_position_embeddings``),
@@ -161,9 +169,15 @@ def plugin_engine_config(model: str, *, defaults: dict[str, Any] | ExtensionSett
 
     ``attention_ops``: CUDA tensors always take the Triton kernels; ``"triton"`` runs them on
     CPU tensors too (under ``TRITON_INTERPRET=1``: the tests' way to check the GPU path here).
+
+    ``attention_precision``: the arithmetic of the CPU attention's AMX tiles, where a bfloat16 cache
+    takes them (no effect elsewhere): ``"float32"`` (the default) keeps each operand to 2^-16 as
+    two bfloat16 parts, ``"bfloat16"`` rounds it once, as stock vLLM's own CPU attention does.
     """
     if attention_ops not in (None, *ATTENTION_OPS):
         raise ValueError(f"attention_ops must be one of {ATTENTION_OPS}, not {attention_ops!r}")
+    if attention_precision not in (None, *ATTENTION_PRECISIONS):
+        raise ValueError(f"attention_precision must be one of {ATTENTION_PRECISIONS}, not {attention_precision!r}")
     facts = checkpoint_facts(model)
     architecture, train_length = facts.architecture, facts.train_length
     settings = defaults if isinstance(defaults, ExtensionSettings) else facts.settings(defaults)
@@ -181,6 +195,8 @@ def plugin_engine_config(model: str, *, defaults: dict[str, Any] | ExtensionSett
     additional = dict(additional_config or {})
     if attention_ops is not None:
         additional[OPS_KEY] = attention_ops
+    if attention_precision is not None:
+        additional[PRECISION_KEY] = attention_precision
     return dict(hf_overrides=overrides, max_model_len=served, additional_config=additional)
 
 
@@ -192,7 +208,8 @@ def settings_processor(v1: type, v2: type) -> type:
 
 
 def engine_kwargs(model: str, *, defaults: dict[str, Any] | ExtensionSettings | None = None,
-                  max_model_len: int | None = None, attention_ops: str | None = None, **engine: Any) -> dict[str, Any]:
+                  max_model_len: int | None = None, attention_ops: str | None = None,
+                  attention_precision: str | None = None, **engine: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` serving ``model`` with the plugin
     (:func:`plugin_engine_config`; ``engine`` is passed on), each request taking its own settings.
 
@@ -201,6 +218,7 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | ExtensionSettings | 
     caching on without that mark (:func:`rope_plugins.worker.requests.check_settings_policy`).
     """
     config = plugin_engine_config(model, defaults=defaults, max_model_len=max_model_len, attention_ops=attention_ops,
+                                  attention_precision=attention_precision,
                                   hf_overrides=engine.pop("hf_overrides", None),
                                   additional_config=engine.pop("additional_config", None))
     config["additional_config"][SALTED_KEY] = True

@@ -72,6 +72,12 @@ def uses_matrix_tiles(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype != torch.float32 and native.matrix_tiles_ready()
 
 
+def rounds_once(kv_cache: torch.Tensor, rounded_once: bool) -> bool:
+    """Whether the AMX tiles take their operands rounded once to bfloat16, as asked: a bfloat16
+    cache's only (rounding a float16 model's operands to bfloat16 would drop 3 of their bits)."""
+    return rounded_once and kv_cache.dtype == torch.bfloat16
+
+
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
     """The C++ prefill serves head sizes in whole key tiles, where it is built."""
     return (query.dtype in KERNEL_DTYPES and query.shape[-1] % KEY_TILE == 0
@@ -79,12 +85,15 @@ def uses_prefill_kernel(query: torch.Tensor) -> bool:
 
 
 def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                   row: PrefillRow, *, scale: float, matrix_tiles: bool | None = None) -> torch.Tensor:
+                   row: PrefillRow, *, scale: float, matrix_tiles: bool | None = None,
+                   rounded_once: bool = False) -> torch.Tensor:
     """One request's chunk in one pass of the C++ kernel, from the row's unrotated queries
     ``[L, heads, d]`` (the kernel scales and turns them as it reads them) and the paged cache:
     its keys read out once per chunk at their far angle (raw under ReRoPE) and, for the band, at
     their near angle, in tiles whose 32 keys of one dimension are one contiguous vector. On AMX
-    tiles where :func:`uses_matrix_tiles` (``matrix_tiles`` None) or where asked."""
+    tiles where :func:`uses_matrix_tiles` (``matrix_tiles`` None) or where asked, their operands
+    rounded once to bfloat16 where ``rounded_once`` (:func:`rounds_once`; else two bfloat16 parts
+    each, to 2^-16)."""
     tile, half = KEY_TILE, query.shape[-1] // 2
     tiles = -(-row.seq_len // tile)
     flat = lambda angles: angles.reshape(-1, half)  # noqa: E731
@@ -103,7 +112,8 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
                                    near_sin=flat(near.sin), far_cos=flat(far.cos), far_sin=flat(far.sin),
                                    near_from=row.near_from, context=row.context, banded=row.band_keys is not None,
                                    near_origin=near_origin,
-                                   matrix_tiles=uses_matrix_tiles(kv_cache) if matrix_tiles is None else matrix_tiles)
+                                   matrix_tiles=uses_matrix_tiles(kv_cache) if matrix_tiles is None else matrix_tiles,
+                                   rounded_once=rounds_once(kv_cache, rounded_once))
     return native.prefill_attention(
         inputs, query=query.float(), near_keys=near_keys, far_keys=far_keys,
         values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),
@@ -111,11 +121,12 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
 
 
 def prefill(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-            row: PrefillRow, *, scale: float, use_kernel: bool = True) -> torch.Tensor:
+            row: PrefillRow, *, scale: float, use_kernel: bool = True, rounded_once: bool = False) -> torch.Tensor:
     """One request's chunk from its unrotated queries ``[L, heads, d]``: the C++ kernel where it
-    serves them (:func:`uses_prefill_kernel`), else :func:`prefill_plain`."""
+    serves them (:func:`uses_prefill_kernel`; ``rounded_once``: its AMX tiles' operands), else
+    :func:`prefill_plain`."""
     if use_kernel and uses_prefill_kernel(query):
-        return prefill_kernel(query, queries, kv_cache, block_ids, row, scale=scale)
+        return prefill_kernel(query, queries, kv_cache, block_ids, row, scale=scale, rounded_once=rounded_once)
     return prefill_plain(query, queries, kv_cache, block_ids, row, scale=scale)
 
 
@@ -158,13 +169,15 @@ def gqa_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *, scale: float,
-           use_kernel: bool = True) -> torch.Tensor:
+           use_kernel: bool = True, rounded_once: bool = False) -> torch.Tensor:
     """All decode rows at once from their unrotated queries ``[Rd, heads, d]``: the C++ kernel
-    (it reads the paged cache in place and rotates as it goes), else :func:`decode_plain`."""
+    (it reads the paged cache in place and rotates as it goes; ``rounded_once``: the far queries
+    on its AMX tiles), else :func:`decode_plain`."""
     if not (use_kernel and kv_cache.dtype in KERNEL_DTYPES and built_kernels() is not None):
         return decode_plain(query, kv_cache, plan, queries, scale=scale)
     return native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache, scale=scale,
-                                   matrix_tiles=uses_matrix_tiles(kv_cache)).to(query.dtype)
+                                   matrix_tiles=uses_matrix_tiles(kv_cache),
+                                   rounded_once=rounds_once(kv_cache, rounded_once)).to(query.dtype)
 
 
 def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,

@@ -134,11 +134,12 @@ def decode_inputs(*, query_scale: torch.Tensor, query_cos: torch.Tensor, query_s
 
 
 def decode_attention(inputs, *, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-                     matrix_tiles: bool = False) -> torch.Tensor:
+                     matrix_tiles: bool = False, rounded_once: bool = False) -> torch.Tensor:
     """Single-pass decode of the rows of ``inputs`` (:func:`decode_inputs`) over the paged cache,
     float32: query ``[R, H, d]`` unrotated and unscaled, kv_cache ``[blocks, kv, bs, 2d]``. Returns ``[R, H, d]``.
-    ``matrix_tiles``: a bfloat16 cache's raw keys on AMX tiles (only where :func:`matrix_tiles_ready`)."""
-    return kernels().decode_attention(inputs, query, kv_cache, scale, matrix_tiles)
+    ``matrix_tiles``: a bfloat16 cache's raw keys on AMX tiles (only where :func:`matrix_tiles_ready`),
+    the far queries as two bfloat16 parts, or rounded once to bfloat16 where ``rounded_once``."""
+    return kernels().decode_attention(inputs, query, kv_cache, scale, matrix_tiles, rounded_once)
 
 
 def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -173,17 +174,18 @@ def matrix_tiles_ready() -> bool:
 
 def prefill_inputs(*, query_scale: torch.Tensor, near_cos: torch.Tensor, near_sin: torch.Tensor,
                    far_cos: torch.Tensor, far_sin: torch.Tensor, near_from: torch.Tensor, context: int, banded: bool,
-                   near_origin: int, matrix_tiles: bool = False):
+                   near_origin: int, matrix_tiles: bool = False, rounded_once: bool = False):
     """One prefill row's chunk of ``L`` queries at ``context .. context + L - 1`` as the C++
     prefill reads it (``PrefillInputs``): query_scale ``[L]``, the cosines and sines of each
     query's near and far angle ``[L, d/2]``, each query's first near key ``near_from`` ``[L]``
     (``m - w + 1``), whether there are near keys at all (``banded``), and ``near_origin``, the
     first near key tile's position (a multiple of ``KEY_TILE`` at or before the first key any
     near query sees). ``matrix_tiles``: the scores and P.V on AMX tiles, each float32 operand as
-    two bfloat16 parts (only where :func:`matrix_tiles_ready`)."""
+    two bfloat16 parts (only where :func:`matrix_tiles_ready`), or rounded once to bfloat16 where
+    ``rounded_once`` (stock vLLM's arithmetic)."""
     return packed(kernels().PrefillInputs(), query_scale=query_scale.float(), near_cos=near_cos, near_sin=near_sin,
                   far_cos=far_cos, far_sin=far_sin, near_from=near_from.to(torch.int64), context=context,
-                  banded=banded, near_origin=near_origin, matrix_tiles=matrix_tiles)
+                  banded=banded, near_origin=near_origin, matrix_tiles=matrix_tiles, rounded_once=rounded_once)
 
 
 def prefill_attention(inputs, *, query: torch.Tensor, near_keys: torch.Tensor, far_keys: torch.Tensor,

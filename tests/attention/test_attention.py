@@ -15,6 +15,7 @@ import torch
 from rope_plugins.attention.backend import RopeExtendAttentionImpl
 from rope_plugins.attention.planner import StepPlanner
 from rope_plugins.ops import cpu, native
+from rope_plugins.plugin import PRECISION_KEY
 from rope_plugins.rules.settings import ExtensionSettings
 from rope_plugins.testing.merge import merge_partials
 from rope_plugins.testing.paged_steps import paged_step
@@ -160,6 +161,49 @@ def test_16_bit_cache_step_matches_oracle_in_float32(matrix_tiles, dtype, head, 
     assert output.dtype == torch.float32 and len(meta.prefill) > 10 and len(meta.decode.seq_lens) > 20
     torch.testing.assert_close(output.double(), step.expected(), rtol=0,
                                atol=MATRIX_TILES_TOLERANCE if matrix_tiles else 2e-5)
+
+
+# attention_precision "bfloat16" (stock vLLM's arithmetic): each operand of the tile products is
+# one bfloat16, 2^-9 of itself, so a product is within 2^-8 of float32's. On this step's float32
+# output (not rounded) that measured 7.4e-3 to 9.1e-3 for heads of 32 to 128 at outputs up to 3.5:
+# about what the two-part path's own bfloat16 output rounding costs (2^-7 at outputs of 2 to 4).
+# Held to 2^-6, and beyond 2^-10 (the operands were rounded). A float16 cache keeps its two parts
+# (cpu.rounds_once): bfloat16 would drop 3 of its bits.
+ROUNDED_ONCE_TOLERANCE = 2.0**-6
+
+
+@pytest.mark.parametrize("head", [D, 64, 128], ids=lambda head: f"head{head}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@needs_compiler
+def test_tiles_with_operands_rounded_once_match_oracle_to_their_rounding(dtype, head):
+    if not native.matrix_tiles_ready():
+        pytest.skip("no AMX on this CPU (or the kernels were built for another)")
+    step = paged_step(ROWS, seed=1, head=head, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK, dtype=dtype)
+    meta = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
+    impl = RopeExtendAttentionImpl(KV * QUERIES_PER_KV, head, head**-0.5, KV, None, None, "auto")
+    impl.rounded_once = True
+    query = step.query.float()
+    output = torch.empty_like(query)
+    impl.forward(None, query, step.key, step.value, step.cache, meta, output)
+    error = float((output.double() - step.expected()).abs().max())
+    if dtype == torch.float16:
+        assert error <= MATRIX_TILES_TOLERANCE
+    else:
+        assert 2.0**-10 < error <= ROUNDED_ONCE_TOLERANCE
+
+
+def test_the_attention_precision_comes_from_the_engine_config():
+    """The impl reads ``attention_precision`` where vLLM builds it, and refuses a value it does not know."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    def impl_under(additional_config):
+        with set_current_vllm_config(VllmConfig(additional_config=additional_config)):
+            return RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "auto")
+
+    assert impl_under({PRECISION_KEY: "bfloat16"}).rounded_once
+    assert not impl_under({PRECISION_KEY: "float32"}).rounded_once and not impl_under({}).rounded_once
+    with pytest.raises(ValueError, match=PRECISION_KEY):
+        impl_under({PRECISION_KEY: "fp8"})
 
 
 @needs_compiler

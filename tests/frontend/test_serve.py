@@ -30,6 +30,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate
 
 from rope_plugins import serve
 from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs
+from rope_plugins.plugin import PRECISION_KEY
 from rope_plugins.rules.settings import EXTRA_ARGS_KEY, SALTED_KEY, ExtensionSettings, SettingsError, request_fields
 from rope_plugins.testing.launcher import ServerProcess, free_port
 from rope_plugins.worker.requests import RequestSettingsTracker, check_settings_policy
@@ -143,7 +144,7 @@ def test_the_printed_command_is_engine_kwargs_read_by_vllms_parser(tiny_llama_di
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     serve.main([str(tiny_llama_dir), "--method", "rerope", "--window", str(WINDOW), "--max-model-len",
-                str(MAX_MODEL_LEN), "--no-enable-prefix-caching"])
+                str(MAX_MODEL_LEN), "--no-enable-prefix-caching", "--attention-precision", "bfloat16"])
     words = shlex.split(capsys.readouterr().out.replace("\\\n", " "))  # as the shell reads its continued lines
     flags = words[words.index("--max-model-len"):]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", str(tiny_llama_dir), *flags])
@@ -152,6 +153,7 @@ def test_the_printed_command_is_engine_kwargs_read_by_vllms_parser(tiny_llama_di
     assert args.logits_processors == ["rope_plugins.serve:SettingsTracker"]
     assert args.middleware == ["rope_plugins.serve.EngineSettings"]
     assert args.enable_prefix_caching is False
+    assert args.additional_config == {PRECISION_KEY: "bfloat16"}
 
 
 def test_every_numeric_setting_is_a_default_flag(tiny_llama_dir, capsys):

@@ -52,6 +52,7 @@ struct PrefillInputs {
   bool banded = false;      // near keys given: false when every key is far
   int64_t near_origin = 0;  // near key tiles start here (a multiple of kKeyTile at or before the first near key)
   bool matrix_tiles = false;  // scores and P.V on AMX tiles in bfloat16 parts (csrc/matrix_tiles.h)
+  bool rounded_once = false;  // on the tiles, each operand rounded once to bfloat16 (stock vLLM's arithmetic)
 };
 
 // `body(Element{})` for the cache's element type: float, c10::BFloat16 or c10::Half (the kernels
@@ -72,7 +73,8 @@ auto with_cache_type(const torch::Tensor& kv_cache, const char* name, Body body)
 // query [R, H, d] unrotated, unscaled; kv_cache [blocks, kv, bs, 2d] (last dim contiguous). Returns [R, H, d].
 // matrix_tiles: a bfloat16 cache's raw keys (ReRoPE's old keys) scored on AMX tiles.
 torch::Tensor decode_attention(const rope_kernels::DecodeInputs& rows, const torch::Tensor& query,
-                               const torch::Tensor& kv_cache, double scale, bool matrix_tiles);
+                               const torch::Tensor& kv_cache, double scale, bool matrix_tiles,
+                               bool rounded_once);
 
 // query [L, H, d] unrotated, unscaled (any token and head strides); near_keys / far_keys
 // [kv, tiles, d, kKeyTile] (cache_key_tiles); values [kv, >= seq_len, d]. Returns [L, H, d].

@@ -37,7 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("near_from", &PrefillInputs::near_from)
       .def_readwrite("banded", &PrefillInputs::banded)
       .def_readwrite("near_origin", &PrefillInputs::near_origin)
-      .def_readwrite("matrix_tiles", &PrefillInputs::matrix_tiles);
+      .def_readwrite("matrix_tiles", &PrefillInputs::matrix_tiles)
+      .def_readwrite("rounded_once", &PrefillInputs::rounded_once);
   m.def("decode_attention", &decode_attention, "single-pass decode attention on the pre-rotation paged cache");
   m.def("write_cache", &write_cache, "the step's unrotated keys and values into their cache slots");
   m.def("cache_key_tiles", &cache_key_tiles, "one sequence's keys from the paged cache as turned key tiles");

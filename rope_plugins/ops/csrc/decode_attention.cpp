@@ -62,6 +62,7 @@ struct DecodeView {
   float scale;
   float *partial_max, *partial_sum, *partial_out, *out;
   bool matrix_tiles;  // raw bfloat16 keys scored on AMX tiles (csrc/matrix_tiles.h)
+  bool rounded_once = false;  // on the tiles, the far queries rounded once to bfloat16
 };
 
 // A work item's buffers, one set per thread.
@@ -253,7 +254,7 @@ void score_raw_on_tiles(const DecodeView& view, int64_t near_from, int64_t keys,
   const rope_kernels::tiles::RawKeyTiles<d> raw{view.queries_per_kv,
                                                 view.cache_s2 * static_cast<int64_t>(sizeof(c10::BFloat16)),
                                                 scratch.tile_parts.data(), scratch.staging.data(),
-                                                scratch.products.data()};
+                                                scratch.products.data(), view.rounded_once};
   raw.prepare(scratch.far_q.data());
   raw.configure();
   for (int64_t block = 0; block < near_from; block += 16) {
@@ -426,7 +427,8 @@ void merge_chunks(const DecodeView& view, int64_t item) {
 
 template <typename Element, int64_t d>
 torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tensor& query,
-                                     const torch::Tensor& kv_cache, double scale, bool matrix_tiles) {
+                                     const torch::Tensor& kv_cache, double scale, bool matrix_tiles,
+                                     bool rounded_once) {
   check_inputs(rows, query, kv_cache);
   const auto contiguous_query = query.contiguous();
   const int64_t count = query.size(0), heads = query.size(1), kv_heads = kv_cache.size(1);
@@ -437,7 +439,7 @@ torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tens
                               torch::empty({count, kv_heads, chunks, queries_per_kv, d})};
   auto output = torch::empty({count, heads, d});
   DecodeView view = decode_view(rows, contiguous_query, kv_cache, scale, chunks, partials, output);
-  view.matrix_tiles = matrix_tiles;
+  view.matrix_tiles = matrix_tiles, view.rounded_once = rounded_once;
   at::parallel_for(0, count * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     DecodeScratch scratch(d, queries_per_kv);
     for (int64_t item = begin; item < end; ++item) attend_chunk<Element, d>(view, item, scratch);
@@ -450,22 +452,22 @@ torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tens
 
 template <int64_t d>
 torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor& query,
-                                   const torch::Tensor& kv_cache, double scale, bool matrix_tiles) {
+                                   const torch::Tensor& kv_cache, double scale, bool matrix_tiles, bool rounded_once) {
   return rope_kernels::with_cache_type(kv_cache, "decode_attention", [&](auto element) {
-    return decode_attention_typed<decltype(element), d>(rows, query, kv_cache, scale, matrix_tiles);
+    return decode_attention_typed<decltype(element), d>(rows, query, kv_cache, scale, matrix_tiles, rounded_once);
   });
 }
 
 }  // namespace
 
 torch::Tensor decode_attention(const DecodeInputs& rows, const torch::Tensor& query, const torch::Tensor& kv_cache,
-                               double scale, bool matrix_tiles) {
+                               double scale, bool matrix_tiles, bool rounded_once) {
   TORCH_CHECK(!matrix_tiles || matrix_tiles_ready(), "decode_attention: matrix tiles asked for, but this build or "
               "CPU has no AMX (matrix_tiles_ready() is false)");
   switch (query.size(2)) {
 #define ROPE_HEAD_DIM(D) \
   case D:                \
-    return decode_attention_dim<D>(rows, query, kv_cache, scale, matrix_tiles);
+    return decode_attention_dim<D>(rows, query, kv_cache, scale, matrix_tiles, rounded_once);
     ROPE_HEAD_DIM(32) ROPE_HEAD_DIM(64) ROPE_HEAD_DIM(80) ROPE_HEAD_DIM(96) ROPE_HEAD_DIM(128) ROPE_HEAD_DIM(256)
 #undef ROPE_HEAD_DIM
     default:

@@ -10,6 +10,8 @@
 // product, is left out), so each product is within about 2^-15 of float32's, where one
 // bfloat16 rounding of each operand (stock vLLM's) leaves it 2^-7 off. Operands that are whole bfloat16 numbers (raw keys and values of a
 // bfloat16 cache) have no low part and skip its product.
+// Rounded once (a null low part throughout, `rounded_once` in attention_inputs.h), every operand
+// is its high part alone: stock vLLM's arithmetic, one product per tile where two parts take two or three.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -67,14 +69,23 @@ inline void split16(__m512 x, __m256i& high, __m256i& low, __m512i& any_low) {
   any_low = _mm512_or_si512(any_low, _mm512_castsi256_si512(low));
 }
 
-// rows of float32 (n a multiple of 16) as high and low bfloat16 rows, in the same order: A operands
+inline __m256i round16(__m512 x) {
+  const __m256bh rounded = _mm512_cvtneps_pbh(x);
+  return reinterpret_cast<const __m256i&>(rounded);
+}
+
+// rows of float32 (n a multiple of 16) as high and low bfloat16 rows, in the same order: A
+// operands (the high parts alone where `low` is null)
 inline void split_rows(const float* x, int64_t n, uint16_t* high, uint16_t* low) {
   __m512i unused = _mm512_setzero_si512();
   for (int64_t i = 0; i < n; i += 16) {
-    __m256i h, l;
-    split16(_mm512_loadu_ps(x + i), h, l, unused);
+    const __m512 value = _mm512_loadu_ps(x + i);
+    __m256i h = round16(value), l;
+    if (low != nullptr) {
+      split16(value, h, l, unused);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + i), l);
+    }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + i), h);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + i), l);
   }
 }
 
@@ -111,8 +122,9 @@ inline __m512 exp_by_scale(__m512 x) {
 }
 
 // rope_kernels::softmax_step with its weights written as A operands: exp(score - max) of
-// scores[0 .. count) as bfloat16 high and low parts, zero up to `padded` (whole 32-key tiles), in
-// one pass. Returns the rescaling factor of what the row has summed.
+// scores[0 .. count) as bfloat16 high and low parts (high alone where `kLow` is false), zero up to
+// `padded` (whole 32-key tiles), in one pass. Returns the rescaling factor of what the row has summed.
+template <bool kLow>
 inline float softmax_step_to_parts(const float* scores, int64_t count, int64_t padded, float& running_max,
                                    float& running_sum, uint16_t* high, uint16_t* low) {
   const float maximum = max_of(scores, count, running_max);
@@ -122,10 +134,14 @@ inline float softmax_step_to_parts(const float* scores, int64_t count, int64_t p
   __m512i unused = _mm512_setzero_si512();
   const auto put = [&](int64_t j, __m512 weight) {
     total = _mm512_add_ps(total, weight);
-    __m256i h, l;
-    split16(weight, h, l, unused);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + j), h);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + j), l);
+    if constexpr (kLow) {
+      __m256i h, l;
+      split16(weight, h, l, unused);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + j), h);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + j), l);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + j), round16(weight));
+    }
   };
   int64_t j = 0;
   for (; j + 16 <= count; j += 16) put(j, exp_by_scale(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift)));
@@ -172,7 +188,7 @@ inline bool pack_values(const float* values, int64_t keys, int64_t keys_padded, 
 }
 
 // scores[16 rows][32 keys] (row stride `ld` floats) of one key tile: queries [16][d] as high and
-// low rows (stride d), the tile's keys as pack_key_tiles' B operands
+// low rows (stride d; no low rows where `query_low` is null), the tile's keys as pack_key_tiles' B operands
 inline void score_tile(const uint16_t* query_high, const uint16_t* query_low, int64_t d, const uint16_t* key_high,
                        const uint16_t* key_low, bool key_has_low, float* scores, int64_t ld) {
   constexpr int64_t pair_row = kTileKeys * 2 * sizeof(uint16_t);  // one dimension pair of 32 keys: 128 bytes
@@ -180,14 +196,16 @@ inline void score_tile(const uint16_t* query_high, const uint16_t* query_low, in
   _tile_zero(1);
   for (int64_t depth = 0; depth < d; depth += kDepth) {
     _tile_loadd(2, query_high + depth, d * sizeof(uint16_t));
-    _tile_loadd(3, query_low + depth, d * sizeof(uint16_t));
     const int64_t at = depth / 2 * kTileKeys * 2;  // its first dimension pair
     _tile_loadd(4, key_high + at, pair_row);
     _tile_loadd(5, key_high + at + 32, pair_row);  // keys 16..31
     _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(0, 3, 4);
     _tile_dpbf16ps(1, 2, 5);
-    _tile_dpbf16ps(1, 3, 5);
+    if (query_low != nullptr) {
+      _tile_loadd(3, query_low + depth, d * sizeof(uint16_t));
+      _tile_dpbf16ps(0, 3, 4);
+      _tile_dpbf16ps(1, 3, 5);
+    }
     if (key_has_low) {
       _tile_loadd(4, key_low + at, pair_row);
       _tile_loadd(5, key_low + at + 32, pair_row);
@@ -208,21 +226,22 @@ inline void score_run(const uint16_t* query_high, const uint16_t* query_low, int
   if (d > 2 * kDepth) {
     for (int64_t key = 0; key < keys; key += kTileKeys)
       score_tile(query_high, query_low, d, key_high + key / kTileKeys * tile_size,
-                 key_low + key / kTileKeys * tile_size, key_has_low, scores + key, ld);
+                 key_has_low ? key_low + key / kTileKeys * tile_size : nullptr, key_has_low, scores + key, ld);
     return;
   }
   constexpr int64_t pair_row = kTileKeys * 2 * sizeof(uint16_t);
   const int64_t stride = d * sizeof(uint16_t), second = kTileKeys * kTileKeys;  // the second 32 dims' pairs
   const bool two = d == 2 * kDepth;
+  const bool query_has_low = query_low != nullptr;
   _tile_loadd(4, query_high, stride);
-  _tile_loadd(5, query_low, stride);
+  if (query_has_low) _tile_loadd(5, query_low, stride);
   if (two) {
     _tile_loadd(6, query_high + kDepth, stride);
-    _tile_loadd(7, query_low + kDepth, stride);
+    if (query_has_low) _tile_loadd(7, query_low + kDepth, stride);
   }
   for (int64_t key = 0; key < keys; key += kTileKeys) {
     const uint16_t* high = key_high + key / kTileKeys * tile_size;
-    const uint16_t* low = key_low + key / kTileKeys * tile_size;
+    const uint16_t* low = key_has_low ? key_low + key / kTileKeys * tile_size : nullptr;
     _tile_zero(0);
     _tile_zero(1);
 #define ROPE_SCORE_DEPTH(QH, QL, AT)                \
@@ -230,9 +249,11 @@ inline void score_run(const uint16_t* query_high, const uint16_t* query_low, int
     _tile_loadd(2, high + (AT), pair_row);          \
     _tile_loadd(3, high + (AT) + 32, pair_row);     \
     _tile_dpbf16ps(0, QH, 2);                       \
-    _tile_dpbf16ps(0, QL, 2);                       \
     _tile_dpbf16ps(1, QH, 3);                       \
-    _tile_dpbf16ps(1, QL, 3);                       \
+    if (query_has_low) {                            \
+      _tile_dpbf16ps(0, QL, 2);                     \
+      _tile_dpbf16ps(1, QL, 3);                     \
+    }                                               \
     if (key_has_low) {                              \
       _tile_loadd(2, low + (AT), pair_row);         \
       _tile_loadd(3, low + (AT) + 32, pair_row);    \
@@ -251,12 +272,13 @@ inline void score_run(const uint16_t* query_high, const uint16_t* query_low, int
 }
 
 // acc[16 rows][d] += P[16 rows][keys] . V[keys][d] (keys a multiple of 32): P as high and low rows
-// (stride ld_p), V as pack_values' B operands from the first of these keys. 64 columns of acc at
+// (stride ld_p; high alone where `p_low` is null), V as pack_values' B operands from the first of these keys. 64 columns of acc at
 // a time stay in tiles 0-3 while the keys go by.
 inline void add_values(const uint16_t* p_high, const uint16_t* p_low, int64_t ld_p, int64_t keys,
                        const uint16_t* value_high, const uint16_t* value_low, bool value_has_low, int64_t d,
                        float* acc) {
   const int64_t pair_row = d * 2 * sizeof(uint16_t), acc_row = d * sizeof(float);
+  const bool p_has_low = p_low != nullptr;
   for (int64_t group = 0; group < d; group += 64) {
     const int64_t columns = std::min<int64_t>(4, (d - group) / 16);
 #define ROPE_VALUE_TILES(ACTION) \
@@ -268,7 +290,7 @@ inline void add_values(const uint16_t* p_high, const uint16_t* p_low, int64_t ld
     const int64_t at = key / 2 * d * 2 + (group + 16 * (C)) * 2;                             \
     _tile_loadd(6, value_high + at, pair_row);                                               \
     _tile_dpbf16ps(C, 4, 6);                                                                 \
-    _tile_dpbf16ps(C, 5, 6);                                                                 \
+    if (p_has_low) _tile_dpbf16ps(C, 5, 6);                                                  \
     if (value_has_low) {                                                                     \
       _tile_loadd(7, value_low + at, pair_row);                                              \
       _tile_dpbf16ps(C, 4, 7);                                                               \
@@ -277,7 +299,7 @@ inline void add_values(const uint16_t* p_high, const uint16_t* p_low, int64_t ld
     ROPE_VALUE_TILES(ROPE_LOAD_ACC)
     for (int64_t key = 0; key < keys; key += kDepth) {
       _tile_loadd(4, p_high + key, ld_p * sizeof(uint16_t));
-      _tile_loadd(5, p_low + key, ld_p * sizeof(uint16_t));
+      if (p_has_low) _tile_loadd(5, p_low + key, ld_p * sizeof(uint16_t));
       ROPE_VALUE_TILES(ROPE_ADD_VALUES)
     }
     ROPE_VALUE_TILES(ROPE_STORE_ACC)
@@ -299,6 +321,7 @@ struct RawKeyTiles {
   uint16_t* parts;      // B operands [2 (high, low)][steps][16 pairs][queries][2]
   uint16_t* staging;    // [16][d]: rows that are not one run, and the last rows of a run
   float* products;      // C [16 keys][queries]
+  bool rounded_once = false;  // the queries as their high parts alone
 
   // the tile shapes of this kv head's queries; per thread, before score()
   void configure() const {
@@ -312,7 +335,7 @@ struct RawKeyTiles {
 
   // the far queries [queries][d] (float32) as B operands
   void prepare(const float* far_queries) const {
-    for (int64_t part = 0; part < 2; ++part)
+    for (int64_t part = 0; part < (rounded_once ? 1 : 2); ++part)
       for (int64_t step = 0; step < steps; ++step)
         for (int64_t pair = 0; pair < kRows; ++pair)
           for (int64_t g = 0; g < queries; ++g)
@@ -341,9 +364,11 @@ struct RawKeyTiles {
     for (int64_t step = 0; step < steps; ++step) {
       _tile_loadd(1, keys + step * kDepth * sizeof(uint16_t), key_pitch);
       _tile_loadd(2, parts + step * b_tile, b_row);
-      _tile_loadd(3, parts + (steps + step) * b_tile, b_row);
       _tile_dpbf16ps(0, 1, 2);
-      _tile_dpbf16ps(0, 1, 3);
+      if (!rounded_once) {
+        _tile_loadd(3, parts + (steps + step) * b_tile, b_row);
+        _tile_dpbf16ps(0, 1, 3);
+      }
     }
     _tile_stored(0, products, queries * sizeof(float));
     const __m512i by_key = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),

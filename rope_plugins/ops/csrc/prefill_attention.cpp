@@ -55,7 +55,7 @@ struct PrefillView {
   float* out;
   // matrix tiles (csrc/matrix_tiles.h): the key tiles and values as bfloat16 B operands, high and
   // low parts, and whether each has any low part
-  bool tiles = false;
+  bool tiles = false, rounded_once = false;  // rounded_once: the operands' high parts alone
   const uint16_t *near_high = nullptr, *near_low = nullptr, *far_high = nullptr, *far_low = nullptr;
   const uint16_t *value_high = nullptr, *value_low = nullptr;
   bool near_has_low = false, far_has_low = false, value_has_low = false;
@@ -123,6 +123,14 @@ QueryTile query_tile(const PrefillView& view, int64_t item) {
           first_position + queries - 1, *near_from_min, *near_from_max};
 }
 
+#if defined(ROPE_MATRIX_TILES)
+// an A operand's low parts, or none where the operands are rounded once
+uint16_t* low_part(const PrefillView& view, std::vector<uint16_t>& low) { return view.rounded_once ? nullptr : low.data(); }
+const uint16_t* low_rows(const PrefillView& view, const std::vector<uint16_t>& low, int64_t at) {
+  return view.rounded_once ? nullptr : low.data() + at;
+}
+#endif
+
 // the tile's queries scaled and turned to their near and far angle; the running softmax emptied
 void load_queries(const PrefillView& view, const QueryTile& tile, PrefillScratch& scratch) {
   const int64_t d = view.d, half = d / 2;
@@ -143,8 +151,8 @@ void load_queries(const PrefillView& view, const QueryTile& tile, PrefillScratch
   if (view.tiles) {  // whole tiles of rows: the rows past the tile's own are left over, finite, and unused
     const int64_t elements = (tile.rows + tiles::kRows - 1) / tiles::kRows * tiles::kRows * d;
     if (view.banded)
-      tiles::split_rows(scratch.near_tile.data(), elements, scratch.near_high.data(), scratch.near_low.data());
-    tiles::split_rows(scratch.far_tile.data(), elements, scratch.far_high.data(), scratch.far_low.data());
+      tiles::split_rows(scratch.near_tile.data(), elements, scratch.near_high.data(), low_part(view, scratch.near_low));
+    tiles::split_rows(scratch.far_tile.data(), elements, scratch.far_high.data(), low_part(view, scratch.far_low));
   }
 #endif
   std::fill(scratch.acc.begin(), scratch.acc.begin() + tile.rows * d, 0.f);
@@ -163,12 +171,12 @@ void score_keys_on_tiles(const PrefillView& view, const QueryTile& tile, int64_t
   for (int64_t row = 0; row < tile.rows; row += tiles::kRows) {
     if (any_near) {
       const int64_t at = near_at + (first_key - view.near_origin) * d;
-      tiles::score_run(scratch.near_high.data() + row * d, scratch.near_low.data() + row * d, d, view.near_high + at,
+      tiles::score_run(scratch.near_high.data() + row * d, low_rows(view, scratch.near_low, row * d), d, view.near_high + at,
                        view.near_low + at, view.near_has_low, padded, scratch.scores.data() + row * kKeyStep,
                        kKeyStep);
     }
     if (any_far)
-      tiles::score_run(scratch.far_high.data() + row * d, scratch.far_low.data() + row * d, d,
+      tiles::score_run(scratch.far_high.data() + row * d, low_rows(view, scratch.far_low, row * d), d,
                        view.far_high + far_at + first_key * d, view.far_low + far_at + first_key * d,
                        view.far_has_low, padded, far_scores + row * kKeyStep, kKeyStep);
   }
@@ -181,7 +189,7 @@ void sum_values_on_tiles(const PrefillView& view, const QueryTile& tile, int64_t
   const int64_t d = view.d, padded = whole_key_tiles(keys);
   const int64_t values_at = tile.h * view.value_tiles_stride + first_key * d;
   for (int64_t row = 0; row < tile.rows; row += tiles::kRows) {
-    tiles::add_values(scratch.weight_high.data() + row * kKeyStep, scratch.weight_low.data() + row * kKeyStep,
+    tiles::add_values(scratch.weight_high.data() + row * kKeyStep, low_rows(view, scratch.weight_low, row * kKeyStep),
                       kKeyStep, padded, view.value_high + values_at, view.value_low + values_at,
                       view.value_has_low, d, scratch.acc.data() + row * d);
   }
@@ -215,11 +223,11 @@ void score_keys(const PrefillView& view, const QueryTile& tile, int64_t first_ke
 inline float softmax_step(const PrefillView& view, float* row_scores, int64_t keys, int64_t r,
                           PrefillScratch& scratch) {
 #if defined(ROPE_MATRIX_TILES)
-  if (view.tiles)
-    return tiles::softmax_step_to_parts(row_scores, keys, whole_key_tiles(keys),
-                                        scratch.running_max[r], scratch.running_sum[r],
-                                        scratch.weight_high.data() + r * kKeyStep,
-                                        scratch.weight_low.data() + r * kKeyStep);
+  if (view.tiles) {
+    const auto step = view.rounded_once ? tiles::softmax_step_to_parts<false> : tiles::softmax_step_to_parts<true>;
+    return step(row_scores, keys, whole_key_tiles(keys), scratch.running_max[r], scratch.running_sum[r],
+                scratch.weight_high.data() + r * kKeyStep, scratch.weight_low.data() + r * kKeyStep);
+  }
 #endif
   return rope_kernels::softmax_step(row_scores, keys, scratch.running_max[r], scratch.running_sum[r]);
 }
@@ -344,6 +352,7 @@ void use_matrix_tiles(PrefillView& view, const torch::Tensor& near_keys, const t
   view.value_high = bits(value.high), view.value_low = bits(value.low), view.value_has_low = value.has_low;
   view.value_tiles_stride = padded * view.d;
   if (view.banded) view.near_high = bits(near.high), view.near_low = bits(near.low), view.near_has_low = near.has_low;
+  if (view.rounded_once) view.far_has_low = view.value_has_low = view.near_has_low = false;
 }
 #endif
 
@@ -365,6 +374,7 @@ torch::Tensor prefill_attention(const PrefillInputs& row, const torch::Tensor& q
               "build or CPU has no AMX (matrix_tiles_ready() is false)");
 #if defined(ROPE_MATRIX_TILES)
   std::vector<PackedOperand> kept;
+  view.rounded_once = row.rounded_once;
   if (row.matrix_tiles) use_matrix_tiles(view, near_keys, far_keys, values, kept);
 #endif
   const int64_t items = (view.chunk + kQueryTile - 1) / kQueryTile * view.kv_heads;
