@@ -89,16 +89,21 @@ inline void split_rows(const float* x, int64_t n, uint16_t* high, uint16_t* low)
   }
 }
 
-// 16 elements of `even` and `odd` side by side as 32 bfloat16 (e0 o0 e1 o1 ...), high and low parts
+// 16 elements of `even` and `odd` side by side as 32 bfloat16 (e0 o0 e1 o1 ...), high and low
+// parts (the high alone where `low` is null)
 inline void interleave16(const float* even, const float* odd, uint16_t* high, uint16_t* low, __m512i& any_low) {
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  __m256i even_high, even_low, odd_high, odd_low;
-  split16(_mm512_loadu_ps(even), even_high, even_low, any_low);
-  split16(_mm512_loadu_ps(odd), odd_high, odd_low, any_low);
   const auto pairs = [&](__m256i a, __m256i b) {
     return _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
   };
+  if (low == nullptr) {
+    _mm512_storeu_si512(high, pairs(round16(_mm512_loadu_ps(even)), round16(_mm512_loadu_ps(odd))));
+    return;
+  }
+  __m256i even_high, even_low, odd_high, odd_low;
+  split16(_mm512_loadu_ps(even), even_high, even_low, any_low);
+  split16(_mm512_loadu_ps(odd), odd_high, odd_low, any_low);
   _mm512_storeu_si512(high, pairs(even_high, odd_high));
   _mm512_storeu_si512(low, pairs(even_low, odd_low));
 }
@@ -157,7 +162,8 @@ inline float softmax_step_to_parts(const float* scores, int64_t count, int64_t p
 inline bool nonzero(__m512i any) { return _mm512_test_epi32_mask(any, any) != 0; }
 
 // Key tiles [tiles][d][32] (a dimension's 32 keys contiguous, micro_gemm.h's B) as B operands
-// [tiles][d/2][32][2]: dimensions 2p and 2p + 1 of a key side by side. Returns whether any low part is non-zero.
+// [tiles][d/2][32][2]: dimensions 2p and 2p + 1 of a key side by side (no low parts where `low`
+// is null). Returns whether any low part is non-zero.
 inline bool pack_key_tiles(const float* key_tiles, int64_t count, int64_t d, uint16_t* high, uint16_t* low) {
   __m512i any_low = _mm512_setzero_si512();
   for (int64_t t = 0; t < count; ++t)
@@ -165,13 +171,13 @@ inline bool pack_key_tiles(const float* key_tiles, int64_t count, int64_t d, uin
       for (int64_t key = 0; key < kTileKeys; key += 16) {
         const float* even = key_tiles + (t * d + 2 * p) * kTileKeys + key;
         const int64_t at = ((t * d / 2 + p) * kTileKeys + key) * 2;
-        interleave16(even, even + kTileKeys, high + at, low + at, any_low);
+        interleave16(even, even + kTileKeys, high + at, low ? low + at : nullptr, any_low);
       }
   return nonzero(any_low);
 }
 
 // Values [keys][d] as B operands [keys_padded / 2][d][2] (keys 2q and 2q + 1 side by side, zero past
-// `keys`). Returns whether any low part is non-zero.
+// `keys`; no low parts where `low` is null). Returns whether any low part is non-zero.
 inline bool pack_values(const float* values, int64_t keys, int64_t keys_padded, int64_t d, uint16_t* high,
                         uint16_t* low) {
   __m512i any_low = _mm512_setzero_si512();
@@ -179,11 +185,12 @@ inline bool pack_values(const float* values, int64_t keys, int64_t keys_padded, 
   for (int64_t q = 0; q < keys; q += 2) {
     const float* odd = q + 1 < keys ? values + (q + 1) * d : zeros.data();
     for (int64_t c = 0; c < d; c += 16)
-      interleave16(values + q * d + c, odd + c, high + (q * d + 2 * c), low + (q * d + 2 * c), any_low);
+      interleave16(values + q * d + c, odd + c, high + (q * d + 2 * c), low ? low + (q * d + 2 * c) : nullptr,
+                   any_low);
   }
   const int64_t written = (keys + 1) / 2 * 2 * d;
   std::fill(high + written, high + keys_padded * d, uint16_t{0});
-  std::fill(low + written, low + keys_padded * d, uint16_t{0});
+  if (low != nullptr) std::fill(low + written, low + keys_padded * d, uint16_t{0});
   return nonzero(any_low);
 }
 

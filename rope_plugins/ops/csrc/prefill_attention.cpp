@@ -301,23 +301,29 @@ void attend_query_tile(const PrefillView& view, int64_t item, PrefillScratch& sc
 }
 
 #if defined(ROPE_MATRIX_TILES)
-// An operand as bfloat16 high and low parts, and whether any low part is non-zero.
+// An operand as bfloat16 high and low parts (no low parts where the operands are rounded once),
+// and whether any low part is non-zero.
 struct PackedOperand {
   torch::Tensor high, low;
   bool has_low = false;
+  PackedOperand() = default;
+  PackedOperand(int64_t elements, bool rounded_once)
+      : high(torch::empty({elements}, torch::kInt16)), low(torch::empty({rounded_once ? 0 : elements}, torch::kInt16)) {}
+  // its low parts from element `at`, or null where it has none
+  uint16_t* low_at(int64_t at) { return low.numel() ? reinterpret_cast<uint16_t*>(low.data_ptr()) + at : nullptr; }
 };
 
 const uint16_t* bits(const torch::Tensor& packed) { return reinterpret_cast<const uint16_t*>(packed.data_ptr()); }
 uint16_t* bits(torch::Tensor& packed) { return reinterpret_cast<uint16_t*>(packed.data_ptr()); }
 
 // key tiles [kv, tiles, d, 32] as B operands, tile by tile in parallel
-PackedOperand pack_key_operand(const torch::Tensor& key_tiles) {
+PackedOperand pack_key_operand(const torch::Tensor& key_tiles, bool rounded_once) {
   const int64_t d = key_tiles.size(2), tile_size = d * kColumns;
-  PackedOperand packed{torch::empty({key_tiles.numel()}, torch::kInt16), torch::empty({key_tiles.numel()}, torch::kInt16)};
+  PackedOperand packed(key_tiles.numel(), rounded_once);
   std::atomic<bool> has_low{false};
   at::parallel_for(0, key_tiles.size(0) * key_tiles.size(1), 16, [&](int64_t begin, int64_t end) {
     if (tiles::pack_key_tiles(key_tiles.data_ptr<float>() + begin * tile_size, end - begin, d,
-                              bits(packed.high) + begin * tile_size, bits(packed.low) + begin * tile_size))
+                              bits(packed.high) + begin * tile_size, packed.low_at(begin * tile_size)))
       has_low = true;
   });
   packed.has_low = has_low;
@@ -325,14 +331,14 @@ PackedOperand pack_key_operand(const torch::Tensor& key_tiles) {
 }
 
 // values [kv, S, d] as B operands [kv, S rounded up to whole tiles / 2, d, 2], head by head in parallel
-PackedOperand pack_value_operand(const torch::Tensor& values, int64_t padded) {
+PackedOperand pack_value_operand(const torch::Tensor& values, int64_t padded, bool rounded_once) {
   const int64_t kv = values.size(0), keys = values.size(1), d = values.size(2);
-  PackedOperand packed{torch::empty({kv * padded * d}, torch::kInt16), torch::empty({kv * padded * d}, torch::kInt16)};
+  PackedOperand packed(kv * padded * d, rounded_once);
   std::atomic<bool> has_low{false};
   at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
       if (tiles::pack_values(values.data_ptr<float>() + h * keys * d, keys, padded, d,
-                             bits(packed.high) + h * padded * d, bits(packed.low) + h * padded * d))
+                             bits(packed.high) + h * padded * d, packed.low_at(h * padded * d)))
         has_low = true;
   });
   packed.has_low = has_low;
@@ -343,16 +349,15 @@ PackedOperand pack_value_operand(const torch::Tensor& values, int64_t padded) {
 void use_matrix_tiles(PrefillView& view, const torch::Tensor& near_keys, const torch::Tensor& far_keys,
                       const torch::Tensor& values, std::vector<PackedOperand>& kept) {
   const int64_t padded = whole_key_tiles(values.size(1));
-  kept.push_back(pack_key_operand(far_keys));
-  kept.push_back(pack_value_operand(values, padded));
-  kept.push_back(view.banded ? pack_key_operand(near_keys) : PackedOperand{});
-  const auto& [far, value, near] = std::tie(kept[0], kept[1], kept[2]);
+  kept.push_back(pack_key_operand(far_keys, view.rounded_once));
+  kept.push_back(pack_value_operand(values, padded, view.rounded_once));
+  kept.push_back(view.banded ? pack_key_operand(near_keys, view.rounded_once) : PackedOperand{});
+  auto [far, value, near] = std::tie(kept[0], kept[1], kept[2]);  // references into `kept`
   view.tiles = true;
-  view.far_high = bits(far.high), view.far_low = bits(far.low), view.far_has_low = far.has_low;
-  view.value_high = bits(value.high), view.value_low = bits(value.low), view.value_has_low = value.has_low;
+  view.far_high = bits(far.high), view.far_low = far.low_at(0), view.far_has_low = far.has_low;
+  view.value_high = bits(value.high), view.value_low = value.low_at(0), view.value_has_low = value.has_low;
   view.value_tiles_stride = padded * view.d;
-  if (view.banded) view.near_high = bits(near.high), view.near_low = bits(near.low), view.near_has_low = near.has_low;
-  if (view.rounded_once) view.far_has_low = view.value_has_low = view.near_has_low = false;
+  if (view.banded) view.near_high = bits(near.high), view.near_low = near.low_at(0), view.near_has_low = near.has_low;
 }
 #endif
 
