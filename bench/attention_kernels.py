@@ -101,11 +101,12 @@ def paged(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return cache.view(blocks, BLOCK, KV_HEADS, 2 * HEAD_DIM).transpose(1, 2).contiguous()
 
 
-def plugin_attention(window: int, matrix_tiles: bool | None = None):
+def plugin_attention(window: int, matrix_tiles: bool | None = None, rounded_once: bool = False):
     """The plugin's one-pass prefill as the attention calls it (rope_plugins.ops.cpu.prefill_kernel:
     keys and values read out of the paged cache, then the kernel), with identity rotations (so its
     answer is plain causal attention); the cache is written outside the timing. ``matrix_tiles``
-    False keeps a 16-bit cache on the float32 micro-kernel where the CPU has AMX tiles."""
+    False keeps a 16-bit cache on the float32 micro-kernel where the CPU has AMX tiles;
+    ``rounded_once``: attention_precision bfloat16 (the tiles' operands rounded once)."""
     from rope_plugins.attention.planner import PrefillRow, QueryPlan, Rotation
     from rope_plugins.ops import cpu
 
@@ -124,7 +125,7 @@ def plugin_attention(window: int, matrix_tiles: bool | None = None):
                          far_keys=None, band_start=band_start, band_keys=identity(seq - band_start) if window else None)
         queries = QueryPlan(scale=torch.ones(chunk), near=identity(chunk), far=identity(chunk), window=windows)
         return cpu.prefill_kernel(query, queries, cache, torch.arange(cache.shape[0]), row, scale=SCALE,
-                                  matrix_tiles=matrix_tiles)
+                                  matrix_tiles=matrix_tiles, rounded_once=rounded_once)
 
     return run
 
@@ -159,12 +160,13 @@ def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     return run
 
 
-def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0):
+def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0, rounded_once: bool = False):
     """The plugin's C++ decode on its own cache layout ``[blocks, kv, bs, 2d]``, with identity
     rotations (its answer is plain attention) but the work of a ``window``-token band and, with
     ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods). With
     ``resident_blocks`` the block table wraps around the cache's first blocks, which stay in L2:
-    the kernel's arithmetic without the wait for memory."""
+    the kernel's arithmetic without the wait for memory. ``rounded_once``: attention_precision
+    bfloat16 (the raw keys' queries rounded once)."""
     from rope_plugins.attention.planner import DECODE_FAR_STEP
     from rope_plugins.ops import cpu, native
 
@@ -190,20 +192,25 @@ def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0):
             far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64))
         # as the engine calls it (rope_plugins/ops/cpu.py): a float32 query, the output in the model's dtype
         tiles = cpu.uses_matrix_tiles(cache)
+        once = cpu.rounds_once(cache, rounded_once)
         return lambda: native.decode_attention(inputs, query=query.float(), kv_cache=cache, scale=SCALE,
-                                               matrix_tiles=tiles).to(query.dtype)
+                                               matrix_tiles=tiles, rounded_once=once).to(query.dtype)
 
     return prepare
 
 
 KERNELS = {"vllm": vllm_attention, "torch_flash": torch_attention, "plugin_far": plugin_attention(0),
            f"plugin_window_{REROPE_WINDOW}": plugin_attention(REROPE_WINDOW)}
-# a 16-bit cache on a CPU with AMX: the plugin's prefill also without its matrix tiles
+# a 16-bit cache on a CPU with AMX: the plugin's prefill also without its matrix tiles, and with
+# their operands rounded once (attention_precision bfloat16)
 WITHOUT_TILES = {"plugin_far_float32_kernel": plugin_attention(0, matrix_tiles=False)}
+ROUNDED_ONCE = {"plugin_far_rounded_once": plugin_attention(0, rounded_once=True)}
 
 
 DECODE_KERNELS = {"vllm": vllm_decode, "plugin_rerope": plugin_decode(REROPE_WINDOW, False),
                   "plugin_leaky": plugin_decode(REROPE_WINDOW, True), "plugin_far_rule": plugin_decode(0, True)}
+# a bfloat16 cache: ReRoPE's raw keys against queries rounded once too
+DECODE_ROUNDED_ONCE = {"plugin_rerope_rounded_once": plugin_decode(REROPE_WINDOW, False, rounded_once=True)}
 DECODE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 2048)]  # (rows, keys per row)
 DECODE_CALLS = 20  # calls per timing (one call is milliseconds)
 
@@ -214,7 +221,8 @@ def time_decode(reps: int, dtype: torch.dtype = torch.float32) -> list[dict]:
     for batch, seq in DECODE_CASES:
         query = torch.randn(batch, QUERY_HEADS, HEAD_DIM).to(dtype)
         key, value = torch.randn(2, batch, seq, KV_HEADS, HEAD_DIM).to(dtype)
-        runs = {name: prepare(query, key, value) for name, prepare in DECODE_KERNELS.items()}
+        kernels = {**DECODE_KERNELS, **(DECODE_ROUNDED_ONCE if dtype == torch.bfloat16 else {})}
+        runs = {name: prepare(query, key, value) for name, prepare in kernels.items()}
         times = {name: [] for name in runs}
         outputs = {name: run() for name, run in runs.items()}  # first calls (allocation, caches) untimed
         for _ in range(reps):
@@ -290,7 +298,9 @@ def main() -> int:
         return 0
     from rope_plugins.ops import native
 
-    kernels = {**KERNELS, **(WITHOUT_TILES if dtype != torch.float32 and native.matrix_tiles_ready() else {})}
+    tiles = dtype != torch.float32 and native.matrix_tiles_ready()
+    kernels = {**KERNELS, **(WITHOUT_TILES if tiles else {}),
+               **(ROUNDED_ONCE if dtype == torch.bfloat16 and tiles else {})}
     rows = []
     for context, chunk in CASES:
         query = torch.randn(chunk, QUERY_HEADS, HEAD_DIM).to(dtype)

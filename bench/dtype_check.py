@@ -120,8 +120,11 @@ def method_losses(float32_runs: Path, bfloat16_runs: Path, length: int) -> dict:
 
 
 def methods_markdown(report: dict) -> str:
+    precision = report.get("attention_precision", "float32")
+    served = "bfloat16" if precision == "float32" else (
+        f"bfloat16 with the attention's operands rounded once (--attention-precision {precision})")
     lines = [f"Each setting's loss at {report['length']:,} tokens (bench/evaluate.py's loss: its last 4,096 "
-             f"tokens of real text) served in float32 and in bfloat16; bfloat16 within {report['tolerance']} "
+             f"tokens of real text) served in float32 and in {served}; bfloat16 within {report['tolerance']} "
              "nats of float32:", "", "| setting | float32 | bfloat16 | difference | within |",
              "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['setting']} | {r['float32']:.4f} | {r['bfloat16']:.4f} | {r['difference']:+.4f} | "
@@ -136,10 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods-at", type=int, metavar="LENGTH",
                         help="compare the results logs of bench/evaluate.py and evaluate.py --dtype bfloat16 at "
                              "LENGTH instead (writes bench/results/dtype_methods.json)")
+    parser.add_argument("--attention-precision", choices=["float32", "bfloat16"], default="float32",
+                        help="with --methods-at: the bfloat16 server's (bfloat16: evaluate.py --attention-precision "
+                             "bfloat16 --stem eval_bfloat16_rounded; writes dtype_methods_rounded.json)")
     args = parser.parse_args(argv)
     if args.methods_at:
-        report = method_losses(RESULTS / "eval_runs.jsonl", RESULTS / "eval_bfloat16_runs.jsonl", args.methods_at)
-        (RESULTS / "dtype_methods.json").write_text(json.dumps(report, indent=2) + "\n")
+        rounded = args.attention_precision == "bfloat16"
+        stem = "eval_bfloat16_rounded" if rounded else "eval_bfloat16"
+        report = method_losses(RESULTS / "eval_runs.jsonl", RESULTS / f"{stem}_runs.jsonl", args.methods_at)
+        report["attention_precision"] = args.attention_precision
+        (RESULTS / f"dtype_methods{'_rounded' if rounded else ''}.json").write_text(json.dumps(report, indent=2) + "\n")
         print(methods_markdown(report))
         return 0 if report["all_within"] else 1
     sys.path.insert(0, str(ROOT))

@@ -730,6 +730,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--url", help="evaluate a running server instead of starting one")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the started server's model dtype (not float32: results in eval[_quick]_<dtype>*)")
+    parser.add_argument("--attention-precision", default="float32", choices=["float32", "bfloat16"],
+                        help="the started server's --attention-precision (a bfloat16 model on AMX tiles)")
     parser.add_argument("--runs", type=Path, help="results log (default bench/results/<stem>_runs.jsonl)")
     parser.add_argument("--stem", help="the results files' name (default eval[_quick][_<dtype>]): <stem>.json, "
                                        "<stem>_runs.jsonl, its bench/README.md block")
@@ -805,7 +807,8 @@ def measure(args: argparse.Namespace, stem: str, longest: int, to_do: list[tuple
 
     served = longest + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
-             "--max-num-seqs", "2", "--log-level", "warning", "--dtype", args.dtype]
+             "--max-num-seqs", "2", "--log-level", "warning", "--dtype", args.dtype,
+             "--attention-precision", args.attention_precision]
     context = running_server(flags, args.out_dir / f"{stem}_server.log") if not args.url else None
     server = context.__enter__() if context else None
     try:

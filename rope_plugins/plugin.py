@@ -11,7 +11,8 @@ BACKEND_NAME = "ROPE_EXTEND"
 # where the engine's config says which attention ops to run (``additional_config``)
 OPS_KEY = "rope_extend_attention_ops"
 ATTENTION_OPS = ("cpu", "triton")
-# where it says the arithmetic of the CPU attention's AMX tiles (bfloat16 caches): float32-grade
+# where it says the arithmetic of the CPU attention's bfloat16 dot products (AMX tiles; the
+# decode's raw keys by AVX512_BF16; bfloat16 caches only): float32-grade
 # operands (two bfloat16 parts each; the default) or each rounded once to bfloat16, as stock vLLM's
 PRECISION_KEY = "rope_extend_attention_precision"
 ATTENTION_PRECISIONS = ("float32", "bfloat16")

@@ -170,9 +170,10 @@ def plugin_engine_config(model: str, *, defaults: dict[str, Any] | ExtensionSett
     ``attention_ops``: CUDA tensors always take the Triton kernels; ``"triton"`` runs them on
     CPU tensors too (under ``TRITON_INTERPRET=1``: the tests' way to check the GPU path here).
 
-    ``attention_precision``: the arithmetic of the CPU attention's AMX tiles, where a bfloat16 cache
-    takes them (no effect elsewhere): ``"float32"`` (the default) keeps each operand to 2^-16 as
-    two bfloat16 parts, ``"bfloat16"`` rounds it once, as stock vLLM's own CPU attention does.
+    ``attention_precision``: the arithmetic of the CPU attention's bfloat16 dot products (AMX
+    tiles; the decode's raw keys by AVX512_BF16), where a bfloat16 cache takes them:
+    ``"float32"`` (the default) keeps each operand to 2^-16 as two bfloat16 parts,
+    ``"bfloat16"`` rounds it once, as stock vLLM's own CPU attention does.
     """
     if attention_ops not in (None, *ATTENTION_OPS):
         raise ValueError(f"attention_ops must be one of {ATTENTION_OPS}, not {attention_ops!r}")

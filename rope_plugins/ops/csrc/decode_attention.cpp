@@ -276,14 +276,17 @@ void score_raw(const DecodeView& view, int64_t near_from, int64_t keys, DecodeSc
 #endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<Element, c10::BFloat16> && avx512::kScores<d>) {
-    const avx512::RawBfloat16Keys<d> raw{scratch.row_of.data(), reinterpret_cast<char*>(scratch.split.data())};
-    raw.prepare(scratch.far_q.data(), view.queries_per_kv);
-    avx512::score_keys(raw, 0, near_from, view.queries_per_kv, scratch.scores.data(), kDecodeChunk,
-                       scratch.partial.data(), [&](int64_t j) { prefetch<Element, d>(scratch, j, keys); },
-                       [&](int64_t block, int64_t count) {
-                         attend_block<Element, d>(scratch, block, count, view.queries_per_kv);
-                       });
-    return;
+    const auto score = [&](const auto& raw) {
+      raw.prepare(scratch.far_q.data(), view.queries_per_kv);
+      avx512::score_keys(raw, 0, near_from, view.queries_per_kv, scratch.scores.data(), kDecodeChunk,
+                         scratch.partial.data(), [&](int64_t j) { prefetch<Element, d>(scratch, j, keys); },
+                         [&](int64_t block, int64_t count) {
+                           attend_block<Element, d>(scratch, block, count, view.queries_per_kv);
+                         });
+    };
+    char* split = reinterpret_cast<char*>(scratch.split.data());
+    if (view.rounded_once) return score(avx512::RawBfloat16Keys<d, false>{scratch.row_of.data(), split});
+    return score(avx512::RawBfloat16Keys<d>{scratch.row_of.data(), split});
   }
 #endif
   score_run<Element, d>(scratch, 0, near_from, keys, scratch.far_q.data(), view.queries_per_kv,

@@ -99,7 +99,8 @@ struct WidenedKeys {
 // Raw bfloat16 keys as they lie in the cache, against each query split in two bfloat16 parts
 // (q = high + low, to 2^-16 of q: each part rounds to 2^-8): vdpbf16ps multiplies the 16-bit pairs exactly and sums in
 // float32, so a key is used without being widened. prepare() splits the queries once per run.
-template <int64_t d>
+// Without kTwoParts (attention_precision bfloat16) each query is its high part alone: half the vdpbf16ps.
+template <int64_t d, bool kTwoParts = true>
 struct RawBfloat16Keys {
   using Key = std::array<__m512i, d / (2 * kLanes)>;
   static constexpr int64_t vectors = d / (2 * kLanes);  // 32 bfloat16 each
@@ -121,7 +122,7 @@ struct RawBfloat16Keys {
         const __m512 rest_second = _mm512_sub_ps(second, widen(_mm512_extracti64x4_epi64(bits, 1)));
         const __m512bh low = halve(rest_first, rest_second);
         _mm512_storeu_si512(part(g, 0, i), reinterpret_cast<const __m512i&>(high));
-        _mm512_storeu_si512(part(g, 1, i), reinterpret_cast<const __m512i&>(low));
+        if constexpr (kTwoParts) _mm512_storeu_si512(part(g, 1, i), reinterpret_cast<const __m512i&>(low));
       }
   }
   void load(int64_t j, Key& key) const {
@@ -132,11 +133,14 @@ struct RawBfloat16Keys {
     __m512 high_sum = _mm512_setzero_ps(), low_sum = _mm512_setzero_ps();  // two chains: half the wait
     for (int64_t i = 0; i < vectors; ++i) {
       const __m512bh bits = reinterpret_cast<const __m512bh&>(key[i]);
-      const __m512i high = _mm512_loadu_si512(part(g, 0, i)), low = _mm512_loadu_si512(part(g, 1, i));
+      const __m512i high = _mm512_loadu_si512(part(g, 0, i));
       high_sum = _mm512_dpbf16_ps(high_sum, reinterpret_cast<const __m512bh&>(high), bits);
-      low_sum = _mm512_dpbf16_ps(low_sum, reinterpret_cast<const __m512bh&>(low), bits);
+      if constexpr (kTwoParts) {
+        const __m512i low = _mm512_loadu_si512(part(g, 1, i));
+        low_sum = _mm512_dpbf16_ps(low_sum, reinterpret_cast<const __m512bh&>(low), bits);
+      }
     }
-    return _mm512_add_ps(high_sum, low_sum);
+    return kTwoParts ? _mm512_add_ps(high_sum, low_sum) : high_sum;
   }
 };
 #endif
