@@ -152,15 +152,23 @@ def test_16_bit_cache_step_matches_oracle_in_float32(matrix_tiles, dtype, head, 
     if matrix_tiles and not native.matrix_tiles_ready():
         pytest.skip("no AMX on this CPU (or the kernels were built for another)")
     monkeypatch.setattr(native, "matrix_tiles_ready", lambda: matrix_tiles)
-    step = paged_step(ROWS, seed=1, head=head, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK, dtype=dtype)
-    meta = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
-    impl = RopeExtendAttentionImpl(KV * QUERIES_PER_KV, head, head**-0.5, KV, None, None, "auto")
-    query = step.query.float()
-    output = torch.empty_like(query)
-    impl.forward(None, query, step.key, step.value, step.cache, meta, output)
+    step, meta, output = float32_output_over_16_bit_cache(dtype, head)
     assert output.dtype == torch.float32 and len(meta.prefill) > 10 and len(meta.decode.seq_lens) > 20
     torch.testing.assert_close(output.double(), step.expected(), rtol=0,
                                atol=MATRIX_TILES_TOLERANCE if matrix_tiles else 2e-5)
+
+
+def float32_output_over_16_bit_cache(dtype, head, rounded_once=False):
+    """The shared step's every row through the impl: float32 queries over a ``dtype`` cache, so
+    the output is not rounded to 16 bits. Returns the step, its plan and the output."""
+    step = paged_step(ROWS, seed=1, head=head, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK, dtype=dtype)
+    meta = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
+    impl = RopeExtendAttentionImpl(KV * QUERIES_PER_KV, head, head**-0.5, KV, None, None, "auto")
+    impl.rounded_once = rounded_once
+    query = step.query.float()
+    output = torch.empty_like(query)
+    impl.forward(None, query, step.key, step.value, step.cache, meta, output)
+    return step, meta, output
 
 
 # attention_precision "bfloat16" (stock vLLM's arithmetic): each operand of the bfloat16 dot
@@ -184,13 +192,7 @@ def test_operands_rounded_once_match_oracle_to_their_rounding(matrix_tiles, dtyp
     if not matrix_tiles and not torch.cpu._is_avx512_bf16_supported():
         pytest.skip("no AVX512_BF16 on this CPU: no bfloat16 dot products to round for")
     monkeypatch.setattr(native, "matrix_tiles_ready", lambda: matrix_tiles)
-    step = paged_step(ROWS, seed=1, head=head, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK, dtype=dtype)
-    meta = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
-    impl = RopeExtendAttentionImpl(KV * QUERIES_PER_KV, head, head**-0.5, KV, None, None, "auto")
-    impl.rounded_once = True
-    query = step.query.float()
-    output = torch.empty_like(query)
-    impl.forward(None, query, step.key, step.value, step.cache, meta, output)
+    step, _, output = float32_output_over_16_bit_cache(dtype, head, rounded_once=True)
     error = float((output.double() - step.expected()).abs().max())
     if dtype == torch.float16:
         assert error <= MATRIX_TILES_TOLERANCE

@@ -60,18 +60,17 @@ inline void release() { _tile_release(); }
 
 inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 
-// 16 floats as their bfloat16 high parts and low parts; or-ed into `any_low` where a low part is not zero
-inline void split16(__m512 x, __m256i& high, __m256i& low, __m512i& any_low) {
-  const __m256bh rounded = _mm512_cvtneps_pbh(x);
-  high = reinterpret_cast<const __m256i&>(rounded);
-  const __m256bh rest = _mm512_cvtneps_pbh(_mm512_sub_ps(x, widen(high)));
-  low = reinterpret_cast<const __m256i&>(rest);
-  any_low = _mm512_or_si512(any_low, _mm512_castsi256_si512(low));
-}
-
+// 16 floats rounded to bfloat16 (round to nearest even)
 inline __m256i round16(__m512 x) {
   const __m256bh rounded = _mm512_cvtneps_pbh(x);
   return reinterpret_cast<const __m256i&>(rounded);
+}
+
+// 16 floats as their bfloat16 high parts and low parts; or-ed into `any_low` where a low part is not zero
+inline void split16(__m512 x, __m256i& high, __m256i& low, __m512i& any_low) {
+  high = round16(x);
+  low = round16(_mm512_sub_ps(x, widen(high)));
+  any_low = _mm512_or_si512(any_low, _mm512_castsi256_si512(low));
 }
 
 // rows of float32 (n a multiple of 16) as high and low bfloat16 rows, in the same order: A
@@ -80,8 +79,10 @@ inline void split_rows(const float* x, int64_t n, uint16_t* high, uint16_t* low)
   __m512i unused = _mm512_setzero_si512();
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 value = _mm512_loadu_ps(x + i);
-    __m256i h = round16(value), l;
-    if (low != nullptr) {
+    __m256i h, l;
+    if (low == nullptr) {
+      h = round16(value);
+    } else {
       split16(value, h, l, unused);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + i), l);
     }
