@@ -12,6 +12,7 @@ program calls once at its start (the server's ``main``, the benchmarks, the test
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from rope_plugins.rules.checkpoint import (
 )
 from rope_plugins.rules.settings import CONFIG_KEY, EXTRA_ARGS_KEY, SALTED_KEY, ExtensionSettings, parse_settings
 from rope_plugins.worker.requests import RequestSettingsAdmission, RequestSettingsTracker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ def compute_on_every_core(workers: int = 1) -> None:
 PRELOAD_ENV = "ROPE_EXTEND_PRELOAD"  # "0": leave LD_PRELOAD as it is
 TCMALLOC_PATTERNS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
 PRELOADED = {"libtcmalloc": TCMALLOC_PATTERNS, "libiomp": (str(Path(sys.prefix) / "lib" / "libiomp5.so"),)}
+OTHER_OPENMP = ("libgomp", "libomp")  # GNU's and LLVM's, what vLLM's executor checks beside libiomp
 
 
 def preloadable_libraries() -> dict[str, str]:
@@ -122,11 +126,21 @@ def preloadable_libraries() -> dict[str, str]:
 def preload_cpu_libraries() -> list[str]:
     """Put tcmalloc and Intel OpenMP in ``LD_PRELOAD``, ahead of what is there, for the engine
     processes vLLM starts (a process reads it when it starts: this one is loaded already).
-    Returns the libraries added; one that is missing, or already named there, is left out."""
+    Returns the libraries added; one that is missing, or already named there, is left out.
+
+    Intel OpenMP is left out too where another OpenMP runtime is preloaded already: vLLM's
+    executor refuses two (an assertion, the engine does not start). vLLM's CPU platform itself
+    puts PyTorch's libgomp there whenever it checks a config in a process with no OpenMP
+    preloaded, so a process that built one config before its first engine has it."""
     if os.environ.get(PRELOAD_ENV) == "0":
         return []
     current = os.environ.get("LD_PRELOAD", "")
-    added = [path for name, path in preloadable_libraries().items() if name not in current]
+    other_openmp = [name for name in OTHER_OPENMP if name in current]
+    if other_openmp and "libiomp" not in current:
+        logger.warning("LD_PRELOAD has %s already: Intel OpenMP is not preloaded (vLLM's engine takes one OpenMP)",
+                       other_openmp[0])
+    added = [path for name, path in preloadable_libraries().items()
+             if name not in current and not (name == "libiomp" and other_openmp)]
     if added:
         os.environ["LD_PRELOAD"] = ":".join(added + ([current] if current else []))
     return added

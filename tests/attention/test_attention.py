@@ -200,9 +200,12 @@ def test_operands_rounded_once_match_oracle_to_their_rounding(matrix_tiles, dtyp
         assert 2.0**-12 < error <= ROUNDED_ONCE_TOLERANCE
 
 
-def test_the_attention_precision_comes_from_the_engine_config():
+def test_the_attention_precision_comes_from_the_engine_config(monkeypatch):
     """The impl reads ``attention_precision`` where vLLM builds it, and refuses a value it does not know."""
     from vllm.config import VllmConfig, set_current_vllm_config
+
+    # vLLM's CPU platform puts PyTorch's libgomp in LD_PRELOAD as it checks a config: not for the rest of the suite
+    monkeypatch.setenv("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
 
     def impl_under(additional_config):
         with set_current_vllm_config(VllmConfig(additional_config=additional_config)):

@@ -373,3 +373,21 @@ def test_the_preloads_go_ahead_of_the_users_once_each(tmp_path, monkeypatch):
     monkeypatch.setenv("LD_PRELOAD", "")
     monkeypatch.setenv(engine_args.PRELOAD_ENV, "0")
     assert engine_args.preload_cpu_libraries() == [] and os.environ["LD_PRELOAD"] == ""
+
+
+def test_intel_openmp_is_not_preloaded_beside_another_openmp(tmp_path, monkeypatch):
+    """vLLM's executor refuses two OpenMP runtimes in LD_PRELOAD, and vLLM's CPU platform adds
+    PyTorch's libgomp whenever a config is checked in a process without one: Intel OpenMP then
+    stays out (tcmalloc still goes in), so that such a process's engine starts."""
+    from vllm.config import VllmConfig
+
+    tcmalloc, iomp = tmp_path / "libtcmalloc_minimal.so.4", tmp_path / "libiomp5.so"
+    tcmalloc.touch(), iomp.touch()
+    monkeypatch.setattr(engine_args, "PRELOADED", {"libtcmalloc": (str(tcmalloc),), "libiomp": (str(iomp),)})
+    monkeypatch.delenv(engine_args.PRELOAD_ENV, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    VllmConfig()  # what put libgomp there in the suite before this test
+    assert "libgomp" in os.environ["LD_PRELOAD"]
+    assert engine_args.preload_cpu_libraries() == [str(tcmalloc)]
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/llvm/libomp.so")
+    assert engine_args.preload_cpu_libraries() == [str(tcmalloc)]
