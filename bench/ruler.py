@@ -281,22 +281,29 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
+    """One grid per model, settings by lengths, each measured cell coloured and labelled by its score
+    (lines would hide each other: most settings score the same)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     models = report["models"]
-    figure, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+    tallest = max(len(model["settings"]) for model in models.values())
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 1.2 + 0.4 * tallest), squeeze=False)
     for axis, (name, model) in zip(axes[0], models.items()):
-        for setting in model["settings"]:
-            found = sorted((c["length"], c["score"]) for c in model["cells"].values() if c["setting"] == setting)
-            if found:
-                axis.plot(*zip(*found), marker="o", linestyle="--" if "log_n" in setting else "-", label=setting)
-        axis.set(xscale="log", xlabel="tokens", ylabel="RULER score (mean over tasks)", title=name, ylim=(0, 1))
-        axis.set_xticks(sorted({c["length"] for c in model["cells"].values()}))
-        axis.get_xaxis().set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{int(v) // 1024}k"))
-        axis.legend(fontsize=7)
+        lengths = sorted({c["length"] for c in model["cells"].values()})
+        grid = np.full((len(model["settings"]), len(lengths)), np.nan)
+        for cell in model["cells"].values():
+            grid[model["settings"].index(cell["setting"]), lengths.index(cell["length"])] = cell["score"]
+        axis.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for (row, column), score in np.ndenumerate(grid):
+            if not np.isnan(score):
+                axis.text(column, row, f"{score:.2f}", ha="center", va="center", fontsize=8)
+        axis.set_xticks(range(len(lengths)), [f"{length // 1024}k" for length in lengths])
+        axis.set_yticks(range(len(model["settings"])), model["settings"], fontsize=8)
+        axis.set(xlabel="tokens (blank: not run yet)", title=f"{name}: RULER score, mean over tasks")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
