@@ -113,7 +113,9 @@ def compute_on_every_core(workers: int = 1) -> None:
 PRELOAD_ENV = "ROPE_EXTEND_PRELOAD"  # "0": leave LD_PRELOAD as it is
 TCMALLOC_PATTERNS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
 PRELOADED = {"libtcmalloc": TCMALLOC_PATTERNS, "libiomp": (str(Path(sys.prefix) / "lib" / "libiomp5.so"),)}
-OTHER_OPENMP = ("libgomp", "libomp")  # GNU's and LLVM's, what vLLM's executor checks beside libiomp
+# GNU's (vLLM's executor asserts it is not beside Intel's) and LLVM's (vLLM counts it as Intel's kind;
+# two runtimes in one process would still share the omp_* symbols)
+OTHER_OPENMP = ("libgomp", "libomp")
 
 
 def preloadable_libraries() -> dict[str, str]:
@@ -135,12 +137,12 @@ def preload_cpu_libraries() -> list[str]:
     if os.environ.get(PRELOAD_ENV) == "0":
         return []
     current = os.environ.get("LD_PRELOAD", "")
-    other_openmp = [name for name in OTHER_OPENMP if name in current]
-    if other_openmp and "libiomp" not in current:
-        logger.warning("LD_PRELOAD has %s already: Intel OpenMP is not preloaded (vLLM's engine takes one OpenMP)",
-                       other_openmp[0])
-    added = [path for name, path in preloadable_libraries().items()
-             if name not in current and not (name == "libiomp" and other_openmp)]
+    missing = {name: path for name, path in preloadable_libraries().items() if name not in current}
+    other_openmp = next((name for name in OTHER_OPENMP if name in current), None)
+    if other_openmp and missing.pop("libiomp", None):
+        logger.warning("LD_PRELOAD has %s already: Intel OpenMP is not preloaded (one OpenMP per process)",
+                       other_openmp)
+    added = list(missing.values())
     if added:
         os.environ["LD_PRELOAD"] = ":".join(added + ([current] if current else []))
     return added
