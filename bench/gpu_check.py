@@ -173,7 +173,7 @@ def key_tiles_of(key_tile: int | None) -> dict[str, int]:
     """The keys per inner step each attention kernel runs with: ``key_tile`` for both, or (None) their defaults."""
     from rope_plugins.ops import gpu
 
-    return {"prefill": key_tile or gpu.PREFILL_KEY_TILE, "decode": key_tile or KEY_TILE}
+    return {"prefill": key_tile or gpu.PREFILL_KEY_TILE, "decode": key_tile or gpu.DECODE_KEY_TILE}
 
 
 def run_kernels(step, device: torch.device, sizes: Sizes, key_tile: int | None = None) -> tuple[torch.Tensor, bool]:

@@ -178,24 +178,44 @@ def decode_speed(args, device, generator) -> dict:
               "flash_gbps": cache_bytes / baseline_ms / 1e6, "methods": {}}
     for method in args.methods:
         plan = plan_for([method] * rows, [1] * rows, [n] * rows, table, head, device)
-        for key_tile in args.decode_key_tiles:
-            run = partial(gpu.decode, query, cache, plan, output, scale=scale, key_tile=key_tile)
-            entry = measure(run, f"decode {method} k{key_tile}", output, expected if method == "none" else None)
+        launches = decode_launches(args)
+        for launch in launches if method in args.sweep_methods else launches[:1]:
+            run = partial(gpu.decode, query, cache, plan, output, scale=scale, **launch)
+            label = launch_label(launch)
+            entry = measure(run, f"decode {method} {label}", output, expected if method == "none" else None)
             if entry is None:
                 continue
             ms = entry["ms"]
-            entry.update(key_tile=key_tile, x_flash=ms / baseline_ms, gbps=cache_bytes / ms / 1e6,
+            entry.update(**launch, x_flash=ms / baseline_ms, gbps=cache_bytes / ms / 1e6,
                          splits=plan.decode_rows.splits, split_keys=plan.decode_rows.split_keys)
             result["methods"].setdefault(method, []).append(entry)
-            print(f"decode {rows} x {n}: {method:<13} k{key_tile:>3}: {ms:8.3f} ms, {ms / baseline_ms:5.2f}x flash "
+            print(f"decode {rows} x {n}: {method:<13} {label}: {ms:8.3f} ms, {ms / baseline_ms:5.2f}x flash "
                   f"({baseline_ms:.3f} ms), {entry['gbps']:.0f} GB/s", flush=True)
     return result
 
 
+def decode_launches(args) -> list[dict]:
+    """The decode launches to time: the kernels' own first, then every key tile x warps x angle
+    rule by ``tl.dot``, then the broadcast sums at ``--decode-key-tiles``' first tile (the decode
+    before ``tl.dot``)."""
+    from rope_plugins.ops import gpu
+
+    default = dict(key_tile=gpu.DECODE_KEY_TILE, num_warps=gpu.DECODE_WARPS, dot=gpu.DECODE_DOT, tile_angles=False)
+    swept = [dict(key_tile=k, num_warps=w, dot=True, tile_angles=a) for k in args.decode_key_tiles
+             for w in args.decode_warps for a in (False, True)]
+    broadcast = [dict(key_tile=args.decode_key_tiles[0], num_warps=4, dot=False, tile_angles=False)]
+    return [default, *(launch for launch in swept + broadcast if launch != default)]
+
+
+def launch_label(launch: dict) -> str:
+    return (f"k{launch['key_tile']:>3} w{launch['num_warps']} {'dot' if launch['dot'] else 'sum'}"
+            f"{' tile-angles' if launch['tile_angles'] else ''}")
+
+
 def entries(part: dict) -> dict[str, list[dict]]:
-    """Each method's timed launches; a launch that names no tile or warps ran the kernels' own
-    (key tile 32, 4 warps, in this script's first version)."""
-    defaults = {"key_tile": 32, "num_warps": 4}
+    """Each method's timed launches; a launch that names no tile, warps or decode products ran
+    the kernels' own of this script's first versions (key tile 32, 4 warps, broadcast sums)."""
+    defaults = {"key_tile": 32, "num_warps": 4, "dot": False, "tile_angles": False}
     return {method: [{**defaults, **entry} for entry in (runs if isinstance(runs, list) else [runs])]
             for method, runs in part.get("methods", {}).items()}
 
@@ -227,9 +247,11 @@ def markdown(report: dict) -> str:
         part = report["decode"]
         lines += [f"Decode, {part['rows']} rows of {part['context']:,} keys (FlashAttention {part['flash_ms']:.3f} ms, "
                   f"{part['flash_gbps']:.0f} GB/s of cache):", "",
-                  "| method | ms | x flash | GB/s | key tile |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {m} | {e['ms']:.3f} | {e['x_flash']:.2f} | {e['gbps']:.0f} | {e.get('key_tile', 32)} |"
-                  for m, e in decode.items()]
+                  "| method | ms | x flash | GB/s | key tile | warps | products | key angles |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {m} | {e['ms']:.3f} | {e['x_flash']:.2f} | {e['gbps']:.0f} | {e['key_tile']} | "
+                  f"{e['num_warps']} | {'tl.dot' if e['dot'] else 'broadcast sums'} | "
+                  f"{'per tile' if e['tile_angles'] else 'per key'} |" for m, e in decode.items()]
         lines.append("")
     errors = [e["relative_error_vs_flash"] for runs in (*entries(report.get("prefill", {})).values(),
                                                         *entries(report.get("decode", {})).values())
@@ -255,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="methods timed at every launch; the others at the first and --best-prefill")
     parser.add_argument("--best-prefill", type=int, nargs=3, default=[128, 64, 8], metavar=("QTILE", "KTILE", "WARPS"))
     parser.add_argument("--decode-key-tiles", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--decode-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--skip-prefill", action="store_true", help="time the decode only")
     parser.add_argument("--decode-rows", type=int, default=16)
     parser.add_argument("--decode-context", type=int, default=32768)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
@@ -278,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
-    for part, measure in (("decode", decode_speed), ("prefill", prefill_speed)):
+    parts = (("decode", decode_speed),) + (() if args.skip_prefill else (("prefill", prefill_speed),))
+    for part, measure in parts:
         try:
             report[part] = measure(args, device, generator)
         except Exception as error:  # keep the other part's numbers

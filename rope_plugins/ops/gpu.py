@@ -45,6 +45,9 @@ from rope_plugins.attention.planner import KEY_TILE, KernelPlan
 # in the planner); decode keeps KEY_TILE keys per step and 4 warps, its fastest there.
 PREFILL_KEY_TILE = 64
 PREFILL_WARPS = 8
+DECODE_KEY_TILE = KEY_TILE
+DECODE_WARPS = 4
+DECODE_DOT = True
 
 # ---------------------------------------------------------------------------------------------
 # Loads, and the row rule: where a query or key stands, how much a query is scaled
@@ -270,24 +273,26 @@ def weigh_values(out, weights, correction, value_at, mask, HALF: tl.constexpr, D
 
 @triton.jit
 def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, cache, HALF: tl.constexpr,
-                     KEY_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREFILL: tl.constexpr, PRECISION: tl.constexpr):
+                     KEY_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREFILL: tl.constexpr, DOT: tl.constexpr,
+                     STEPS: tl.constexpr, PRECISION: tl.constexpr):
     """Queries at ``position`` (``[rows]``; near and far, from :func:`rotated_queries`) over
     keys ``key_start .. key_end`` of a :func:`row_cache`, up to the causal edge: the running
     max and sum of the online softmax, and the output halves not yet divided by the sum.
-    ``PREFILL``: a tile of consecutive queries, scored by ``tl.dot``, whose causal edge can cut a
-    key tile; otherwise one decode position (a KV head's query heads), which every key precedes."""
+    ``PREFILL``: a tile of consecutive queries, whose causal edge can cut a key tile; otherwise
+    one decode position (a KV head's query heads), which every key precedes. ``DOT``: scores and
+    values by ``tl.dot`` (16 rows or more); ``STEPS``: key tiles rotated by angle sums."""
     last_query = tl.max(position, axis=0)
     pairs = tl.arange(0, near_query[0].shape[1])
     running_max = tl.full(position.shape, float("-inf"), tl.float32)
     running_sum = tl.zeros(position.shape, tl.float32)
     out = tl.zeros(near_query[0].shape, tl.float32), tl.zeros(near_query[0].shape, tl.float32)
     # Prefill rotates each key tile by angle sums (1.4x faster on an H200 at the same launch,
-    # bench/results/gpu_kernel_speed_{key,tile}_angles.json);
-    # decode, whose broadcast sums already fill the registers, forms each key's angle (the tables made it slower).
+    # bench/results/gpu_kernel_speed_{key,tile}_angles.json); decode by broadcast sums, whose
+    # products already fill the registers, formed each key's angle (the tables made it slower).
     theta, window, leak, far_origin, _, _, _, chunk_length = rule
     windows = query_window(position, window, far_origin, chunk_length)
     near_edges = tl.min(position - windows, axis=0), tl.max(position - windows, axis=0)
-    if PREFILL:
+    if STEPS:
         steps = tile_steps(theta, KEY_TILE), tile_steps(theta * leak, KEY_TILE)
     else:
         steps = None
@@ -300,13 +305,13 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
         keys = keys[0].to(tl.float32), keys[1].to(tl.float32)
         distance = position[:, None] - key_position[None, :]
         scores = tile_scores(near_query, far_query, keys, first_key, key_position, distance, windows, near_edges,
-                             rule, steps, PREFILL, PRECISION, PREFILL)
+                             rule, steps, DOT, PRECISION, STEPS)
         if PREFILL:
             scores = tl.where((distance >= 0) & valid[None, :], scores, float("-inf"))
         else:
             scores = tl.where(valid[None, :], scores, float("-inf"))
         running_max, running_sum, weights, correction = softmax_step(scores, running_max, running_sum)
-        out = weigh_values(out, weights, correction, key_at + 2 * HALF, key_mask, HALF, PREFILL, PRECISION)
+        out = weigh_values(out, weights, correction, key_at + 2 * HALF, key_mask, HALF, DOT, PRECISION)
     return running_max, running_sum, out
 
 
@@ -384,7 +389,8 @@ def prefill_kernel(
     cache = row_cache(cache_ptr, block_table_ptr, row, head // QUERIES_PER_KV, stride_cb, stride_ch, stride_cs,
                       stride_bt)
     _, running_sum, out = attend_key_tiles(near_query, far_query, position, rule, 0, seq_len, cache, HALF=HALF,
-                                           KEY_TILE=KEY_TILE, BLOCK_SIZE=BLOCK_SIZE, PREFILL=True, PRECISION=PRECISION)
+                                           KEY_TILE=KEY_TILE, BLOCK_SIZE=BLOCK_SIZE, PREFILL=True, DOT=True, STEPS=True,
+                                           PRECISION=PRECISION)
 
     out_at = out_ptr + token[:, None] * stride_ot + head * stride_oh + pairs[None, :]
     out_type = out_ptr.dtype.element_ty
@@ -411,9 +417,10 @@ def decode_split_kernel(
     stride_bt, stride_theta,
     # constexpr sizes
     BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, QUERIES_PER_KV_PAD: tl.constexpr, HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr, KEY_TILE: tl.constexpr,
+    HALF_PAD: tl.constexpr, KEY_TILE: tl.constexpr, DOT: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program per (decode row, KV head, split of the row's keys): the KV head's query heads together."""
+    """One program per (decode row, KV head, split of the row's keys): the KV head's query heads
+    together (``DOT``: padded to 16 rows, ``tl.dot``'s least, in the queries' type)."""
     decode_row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -429,13 +436,14 @@ def decode_split_kernel(
     query_mask = is_head[:, None] & (pairs < HALF)[None, :]
     position = tl.full([QUERIES_PER_KV_PAD], seq_len - 1, tl.int32)  # every head's query is the row's last token
     near_query, far_query = rotated_queries(query_ptr + token * stride_qt + heads[:, None] * stride_qh + pairs[None, :],
-                                            query_mask, position, softmax_scale, rule, HALF=HALF, OPERAND=tl.float32)
+                                            query_mask, position, softmax_scale, rule, HALF=HALF,
+                                            OPERAND=query_ptr.dtype.element_ty if DOT else tl.float32)
     cache = row_cache(cache_ptr, block_table_ptr, row, kv_head, stride_cb, stride_ch, stride_cs, stride_bt)
     split_start = split * split_keys
     running_max, running_sum, out = attend_key_tiles(near_query, far_query, position, rule, split_start,
                                                      tl.minimum(seq_len, split_start + split_keys), cache, HALF=HALF,
                                                      KEY_TILE=KEY_TILE, BLOCK_SIZE=BLOCK_SIZE, PREFILL=False,
-                                                     PRECISION=None)
+                                                     DOT=DOT, STEPS=STEPS, PRECISION=PRECISION)
 
     # an empty split (past the row's end) leaves a zero output and a log-sum-exp of -inf
     has_keys = running_sum > 0
@@ -537,19 +545,27 @@ def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, outpu
 
 
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
-           scale: float, key_tile: int = KEY_TILE, num_warps: int = 4) -> None:
-    """Every decode row's query ``[heads, d]`` (unrotated) into ``output``: split-K, then a reduce."""
+           scale: float, key_tile: int = DECODE_KEY_TILE, num_warps: int = DECODE_WARPS, dot: bool = DECODE_DOT,
+           tile_angles: bool = False) -> None:
+    """Every decode row's query ``[heads, d]`` (unrotated) into ``output``: split-K, then a reduce.
+    ``key_tile``, ``num_warps``, ``dot`` (a KV head's queries padded to 16 rows for ``tl.dot``,
+    else broadcast sums in float32) and ``tile_angles`` (key tiles rotated by angle sums): launch
+    choices (bench/gpu_kernel_speed.py sweeps them), any of which is exact."""
     rows = plan.decode_rows
     if rows is None:
         return
+    # angle sums need tiles that start at multiples of their size (a dual-chunk tile in one chunk)
+    assert not tile_angles or rows.split_keys % key_tile == 0, "tile angles need splits of whole key tiles"
     count, (heads, head), kv_heads = rows.row.numel(), query.shape[1:], kv_cache.shape[1]
+    group_rows = triton.next_power_of_2(heads // kv_heads)
     partial = torch.empty(count, heads, rows.splits, head, dtype=torch.float32, device=query.device)
     lse = torch.empty(count, heads, rows.splits, dtype=torch.float32, device=query.device)
     decode_split_kernel[(count, kv_heads, rows.splits)](
         partial_ptr=partial, lse_ptr=lse, softmax_scale=scale, decode_rows_ptr=rows.row, split_keys=rows.split_keys,
         stride_pr=partial.stride(0), stride_ph=partial.stride(1), stride_ps=partial.stride(2),
         stride_lr=lse.stride(0), stride_lh=lse.stride(1),
-        QUERIES_PER_KV_PAD=triton.next_power_of_2(heads // kv_heads), num_warps=num_warps,
+        QUERIES_PER_KV_PAD=max(16, group_rows) if dot else group_rows, DOT=dot, STEPS=tile_angles,
+        PRECISION=dot_precision(query.dtype), num_warps=num_warps,
         **attention_arguments(query, kv_cache, plan, key_tile))
     decode_reduce_kernel[(count, heads)](
         out_ptr=output, partial_ptr=partial, lse_ptr=lse, query_start_ptr=plan.query_start, decode_rows_ptr=rows.row,

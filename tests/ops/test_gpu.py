@@ -64,7 +64,7 @@ MIXED_ROWS = [
 ]
 
 
-def run_kernels(step, *, query_tile=16, min_split_keys=KEY_TILE) -> torch.Tensor:
+def run_kernels(step, *, query_tile=16, min_split_keys=KEY_TILE, decode_launch=None) -> torch.Tensor:
     plan = kernel_plan(step.tables, query_start_cpu=step.starts, query_start=step.starts.to(torch.int32),
                        seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
                        block_table=step.block_table.to(torch.int32), slot_mapping=step.slots, query_tile=query_tile,
@@ -73,7 +73,7 @@ def run_kernels(step, *, query_tile=16, min_split_keys=KEY_TILE) -> torch.Tensor
     head = step.query.shape[-1]
     scale = head**-0.5
     gpu.prefill(step.query, step.cache, plan, output, scale=scale)
-    gpu.decode(step.query, step.cache, plan, output, scale=scale)
+    gpu.decode(step.query, step.cache, plan, output, scale=scale, **(decode_launch or {}))
     return output
 
 
@@ -90,6 +90,15 @@ def test_decode_every_method_with_and_without_log_n(dtype):
     """Rows of 40-145 keys in splits of 32: each spans several splits; rows end mid-split."""
     step = paged_step(every_method_rows(40, 1), seed=1, head=64, kv=2, queries_per_kv=3, dtype=dtype)
     assert_matches_oracle(step, dtype)
+
+
+@pytest.mark.parametrize("launch", [dict(dot=False), dict(tile_angles=True), dict(dot=False, tile_angles=True)],
+                         ids=["broadcast-sums", "tile-angles", "broadcast-sums-tile-angles"])
+def test_decode_launch_choices_every_method(launch):
+    """The decode's other launches (bench/gpu_kernel_speed.py times them): float32 broadcast sums
+    instead of ``tl.dot``, key tiles rotated by angle sums (dual-chunk's chunks of 64 hold whole tiles)."""
+    step = paged_step(every_method_rows(40, 1), seed=1, head=64, kv=2, queries_per_kv=3, dtype=torch.float32)
+    assert_matches_oracle(step, torch.float32, decode_launch=launch)
 
 
 @pytest.mark.slow  # 6-8 s each in the interpreter
