@@ -28,7 +28,8 @@ DECODE_FAR_STEP = 64  # the C++ decode turns the far query once per this many ke
 
 # the Triton kernels' tiling (rope_plugins/ops/gpu.py)
 QUERY_TILE = 128  # queries per Triton prefill program (the fastest on an H200, ops/gpu.py)
-KEY_TILE = 32  # keys per inner step: the Triton decode and the C++ prefill (csrc/attention_inputs.h)
+KEY_TILE = 32  # keys per inner step of the C++ prefill (csrc/attention_inputs.h)
+DECODE_KEY_TILE = 64  # keys per inner step of the Triton decode (the fastest on an H200, ops/gpu.py)
 DECODE_SPLITS = 16  # splits of the longest decode row (each at least MIN_SPLIT_KEYS keys)
 MIN_SPLIT_KEYS = 256
 
@@ -211,10 +212,11 @@ class StepPlan:
 
 
 def decode_split(longest: int, *, min_split_keys: int = MIN_SPLIT_KEYS) -> tuple[int, int]:
-    """Keys per split (a multiple of the key tile) and the number of splits, for decode rows of
-    at most ``longest`` keys: enough programs to fill a GPU, none shorter than ``min_split_keys``."""
+    """Keys per split (a multiple of the decode's key tile: its tiles start at multiples of their
+    size) and the number of splits, for decode rows of at most ``longest`` keys: enough programs
+    to fill a GPU, none shorter than ``min_split_keys``."""
     split_keys = max(min_split_keys, -(-longest // DECODE_SPLITS))
-    split_keys = -(-split_keys // KEY_TILE) * KEY_TILE
+    split_keys = -(-split_keys // DECODE_KEY_TILE) * DECODE_KEY_TILE
     return split_keys, -(-longest // split_keys)
 
 

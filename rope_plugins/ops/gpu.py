@@ -39,15 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
-from rope_plugins.attention.planner import KEY_TILE, KernelPlan
+from rope_plugins.attention.planner import DECODE_KEY_TILE, KernelPlan
 
-# The prefill launch that ran fastest on an H200 (bench/gpu_kernel_speed.py, with QUERY_TILE 128
-# in the planner); decode keeps KEY_TILE keys per step and 4 warps, its fastest there.
+# The launches that ran fastest on an H200 (bench/gpu_kernel_speed.py, with QUERY_TILE 128 and
+# DECODE_KEY_TILE 64 in the planner): results/gpu_kernel_speed_tile_angles.json (prefill),
+# results/gpu_kernel_speed_decode_dot.json (decode).
 PREFILL_KEY_TILE = 64
 PREFILL_WARPS = 8
-DECODE_KEY_TILE = KEY_TILE
 DECODE_WARPS = 4
 DECODE_DOT = True
+DECODE_TILE_ANGLES = True
 
 # ---------------------------------------------------------------------------------------------
 # Loads, and the row rule: where a query or key stands, how much a query is scaled
@@ -546,16 +547,16 @@ def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, outpu
 
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
            scale: float, key_tile: int = DECODE_KEY_TILE, num_warps: int = DECODE_WARPS, dot: bool = DECODE_DOT,
-           tile_angles: bool = False) -> None:
+           tile_angles: bool = DECODE_TILE_ANGLES) -> None:
     """Every decode row's query ``[heads, d]`` (unrotated) into ``output``: split-K, then a reduce.
     ``key_tile``, ``num_warps``, ``dot`` (a KV head's queries padded to 16 rows for ``tl.dot``,
-    else broadcast sums in float32) and ``tile_angles`` (key tiles rotated by angle sums): launch
-    choices (bench/gpu_kernel_speed.py sweeps them), any of which is exact."""
+    else broadcast sums in float32) and ``tile_angles`` (key tiles rotated by angle sums, where
+    the splits hold whole tiles: a dual-chunk tile must lie in one chunk): launch choices
+    (bench/gpu_kernel_speed.py sweeps them), any of which is exact."""
     rows = plan.decode_rows
     if rows is None:
         return
-    # angle sums need tiles that start at multiples of their size (a dual-chunk tile in one chunk)
-    assert not tile_angles or rows.split_keys % key_tile == 0, "tile angles need splits of whole key tiles"
+    tile_angles = tile_angles and rows.split_keys % key_tile == 0
     count, (heads, head), kv_heads = rows.row.numel(), query.shape[1:], kv_cache.shape[1]
     group_rows = triton.next_power_of_2(heads // kv_heads)
     partial = torch.empty(count, heads, rows.splits, head, dtype=torch.float32, device=query.device)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rope_plugins.attention.planner import KEY_TILE, kernel_plan
+from rope_plugins.attention.planner import DECODE_KEY_TILE, kernel_plan
 from rope_plugins.ops import gpu
 from rope_plugins.rules.settings import METHOD_NAMES, ExtensionSettings
 from tests.attention.test_attention import TRAIN, paged_step
@@ -64,7 +64,7 @@ MIXED_ROWS = [
 ]
 
 
-def run_kernels(step, *, query_tile=16, min_split_keys=KEY_TILE, decode_launch=None) -> torch.Tensor:
+def run_kernels(step, *, query_tile=16, min_split_keys=DECODE_KEY_TILE, decode_launch=None) -> torch.Tensor:
     plan = kernel_plan(step.tables, query_start_cpu=step.starts, query_start=step.starts.to(torch.int32),
                        seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
                        block_table=step.block_table.to(torch.int32), slot_mapping=step.slots, query_tile=query_tile,
@@ -87,16 +87,18 @@ def assert_matches_oracle(step, dtype, **launch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_decode_every_method_with_and_without_log_n(dtype):
-    """Rows of 40-145 keys in splits of 32: each spans several splits; rows end mid-split."""
+    """Rows of 40-145 keys in splits of 64: rows span several splits and end mid-split."""
     step = paged_step(every_method_rows(40, 1), seed=1, head=64, kv=2, queries_per_kv=3, dtype=dtype)
     assert_matches_oracle(step, dtype)
 
 
-@pytest.mark.parametrize("launch", [dict(dot=False), dict(tile_angles=True), dict(dot=False, tile_angles=True)],
-                         ids=["broadcast-sums", "tile-angles", "broadcast-sums-tile-angles"])
+@pytest.mark.parametrize("launch", [dict(dot=False, tile_angles=False), dict(tile_angles=False),
+                                    dict(dot=False, tile_angles=True), dict(key_tile=32)],
+                         ids=["broadcast-sums", "key-angles", "broadcast-sums-tile-angles", "key-tile-32"])
 def test_decode_launch_choices_every_method(launch):
     """The decode's other launches (bench/gpu_kernel_speed.py times them): float32 broadcast sums
-    instead of ``tl.dot``, key tiles rotated by angle sums (dual-chunk's chunks of 64 hold whole tiles)."""
+    instead of ``tl.dot``, each key's own angle instead of the tile's angle sums (dual-chunk's
+    chunks of 64 hold whole tiles), a smaller key tile."""
     step = paged_step(every_method_rows(40, 1), seed=1, head=64, kv=2, queries_per_kv=3, dtype=torch.float32)
     assert_matches_oracle(step, torch.float32, decode_launch=launch)
 
