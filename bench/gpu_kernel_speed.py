@@ -200,7 +200,8 @@ def decode_launches(args) -> list[dict]:
     before ``tl.dot``)."""
     from rope_plugins.ops import gpu
 
-    default = dict(key_tile=gpu.DECODE_KEY_TILE, num_warps=gpu.DECODE_WARPS, dot=gpu.DECODE_DOT, tile_angles=False)
+    default = dict(key_tile=gpu.DECODE_KEY_TILE, num_warps=gpu.DECODE_WARPS, dot=gpu.DECODE_DOT,
+                   tile_angles=gpu.DECODE_TILE_ANGLES)
     swept = [dict(key_tile=k, num_warps=w, dot=True, tile_angles=a) for k in args.decode_key_tiles
              for w in args.decode_warps for a in (False, True)]
     broadcast = [dict(key_tile=args.decode_key_tiles[0], num_warps=4, dot=False, tile_angles=False)]

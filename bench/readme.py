@@ -50,6 +50,7 @@ RENDERERS = {
     "gpu_check": ("gpu_check", "markdown"),
     "gpu_kernel_speed_key_angles": ("gpu_kernel_speed", "markdown"),
     "gpu_kernel_speed_tile_angles": ("gpu_kernel_speed", "markdown"),
+    "gpu_kernel_speed_decode_dot": ("gpu_kernel_speed", "markdown"),
 }
 
 
