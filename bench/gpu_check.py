@@ -34,8 +34,8 @@ part, and prints a summary. Exit status: 0 when every kernel case is within its 
 ``--interpret`` runs part 1 at small sizes on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, set here before the kernels are imported), in float32 and float16
 (the interpreter's bfloat16 dots are not trustworthy); ``tests/bench/test_gpu_check.py`` runs it,
-and part 2's loop on a stand-in for the engines. Part 1 ran on an NVIDIA H200 once
-(results/gpu_check.json); part 2 has never run (docs/design.md says what is verified). If
+and part 2's loop on a stand-in for the engines. Part 1 ran on an NVIDIA H200 in three
+sessions (results/gpu_check.json); part 2 has never run (docs/design.md says what is verified). If
 the plugin's engine fails to start on vLLM's V2 model runner, ``--model-runner v1`` runs both
 engines on the V1 runner.
 """

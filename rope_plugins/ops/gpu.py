@@ -8,8 +8,8 @@ dual-chunk attention's chunk length ``s`` (0: none; far keys at ``n mod s``, the
 are formed in float64 inside the kernels (position x θ, reduced to ``[-π, π]``) and only then
 cast, so positions far past training keep the float64 oracle's accuracy without a cos/sin
 table as large as the cache.
-The prefill turns a key tile by angle sums (:func:`rotate_tile`: the tile's first angle in
-float64, plus a per-program table of its offsets' angles), the decode each key by its own.
+Both kernels turn a key tile by angle sums (:func:`rotate_tile`: the tile's first angle in
+float64, plus a per-program table of its offsets' angles).
 
 - :func:`write_cache`: unrotated keys and values into their slots, skipping padded slots (-1).
 - :func:`prefill`: one program per (query tile of a row, query head) walks the row's key
@@ -23,9 +23,10 @@ float64, plus a per-program table of its offsets' angles), the decode each key b
   them), then a reduce over the splits by their log-sum-exps.
 
 Both attention kernels run one key-tile loop (:func:`attend_key_tiles`), so the rule's
-positions, :func:`rotate_pair`, :func:`tile_scores` and :func:`softmax_step` exist once. Prefill
-(16 queries or more per program) multiplies with ``tl.dot``; decode (a KV head's few query heads)
-with broadcast sums. The two neox halves of a vector travel as a pair ``(first, second)``, the
+positions, :func:`rotate_pair`, :func:`tile_scores` and :func:`softmax_step` exist once. Both
+multiply with ``tl.dot``: prefill's programs hold 16 queries or more, decode's pad a KV head's
+few query heads to 16 rows (float32 broadcast sums remain as a decode launch choice). The
+two neox halves of a vector travel as a pair ``(first, second)``, the
 row rule as one tuple (:func:`load_row_rule`).
 
 On CPU tensors these run under ``TRITON_INTERPRET=1`` (set before this module is imported):
@@ -287,9 +288,9 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
     running_max = tl.full(position.shape, float("-inf"), tl.float32)
     running_sum = tl.zeros(position.shape, tl.float32)
     out = tl.zeros(near_query[0].shape, tl.float32), tl.zeros(near_query[0].shape, tl.float32)
-    # Prefill rotates each key tile by angle sums (1.4x faster on an H200 at the same launch,
-    # bench/results/gpu_kernel_speed_{key,tile}_angles.json); decode by broadcast sums, whose
-    # products already fill the registers, formed each key's angle (the tables made it slower).
+    # Key tiles by angle sums: prefill 1.4x faster on an H200 at the same launch
+    # (bench/results/gpu_kernel_speed_{key,tile}_angles.json), decode by tl.dot 1.3x
+    # (gpu_kernel_speed_decode_dot.json; with broadcast sums, whose products fill the registers, slower).
     theta, window, leak, far_origin, _, _, _, chunk_length = rule
     windows = query_window(position, window, far_origin, chunk_length)
     near_edges = tl.min(position - windows, axis=0), tl.max(position - windows, axis=0)
