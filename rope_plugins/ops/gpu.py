@@ -26,8 +26,8 @@ Both attention kernels run one key-tile loop (:func:`attend_key_tiles`), so the 
 positions, :func:`rotate_pair`, :func:`tile_scores` and :func:`softmax_step` exist once. Both
 multiply with ``tl.dot``: prefill's programs hold 16 queries or more, decode's pad a KV head's
 few query heads to 16 rows (float32 broadcast sums remain as a decode launch choice). The
-two neox halves of a vector travel as a pair ``(first, second)``, the
-row rule as one tuple (:func:`load_row_rule`).
+two neox halves of a vector travel as a pair ``(first, second)``, the row rule as one tuple
+(:func:`load_row_rule`).
 
 On CPU tensors these run under ``TRITON_INTERPRET=1`` (set before this module is imported):
 the tests' way to check the GPU path without a GPU; ``tests/ops/compile_kernels.py`` compiles
