@@ -93,12 +93,14 @@ def test_decode_every_method_with_and_without_log_n(dtype):
 
 
 @pytest.mark.parametrize("launch", [dict(dot=False, tile_angles=False), dict(tile_angles=False),
-                                    dict(dot=False, tile_angles=True), dict(key_tile=32)],
-                         ids=["broadcast-sums", "key-angles", "broadcast-sums-tile-angles", "key-tile-32"])
+                                    dict(dot=False, tile_angles=True), dict(key_tile=32), dict(key_tile=128)],
+                         ids=["broadcast-sums", "key-angles", "broadcast-sums-tile-angles", "key-tile-32",
+                              "key-tile-128-splits-of-64"])
 def test_decode_launch_choices_every_method(launch):
     """The decode's other launches (bench/gpu_kernel_speed.py times them): float32 broadcast sums
     instead of ``tl.dot``, each key's own angle instead of the tile's angle sums (dual-chunk's
-    chunks of 64 hold whole tiles), a smaller key tile."""
+    chunks of 64 hold whole tiles), a smaller key tile, and a larger one than the splits of 64
+    hold whole (its keys then turned one by one)."""
     step = paged_step(every_method_rows(40, 1), seed=1, head=64, kv=2, queries_per_kv=3, dtype=torch.float32)
     assert_matches_oracle(step, torch.float32, decode_launch=launch)
 
