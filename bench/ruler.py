@@ -88,6 +88,17 @@ def plan(model: str, own_train_length: int, lengths: list[int], tasks: list[str]
     return jobs
 
 
+def chosen(jobs: list[dict], settings: list[str] | None) -> list[dict]:
+    """The jobs of the settings labelled ``settings`` (all, for None); an unknown label is an error."""
+    if settings is None:
+        return jobs
+    unknown = sorted(set(settings) - {job["label"] for job in jobs})
+    if unknown:
+        labels = ", ".join(dict.fromkeys(job["label"] for job in jobs))
+        raise SystemExit(f"--settings: no setting labelled {', '.join(unknown)} at these lengths; the labels: {labels}")
+    return [job for job in jobs if job["label"] in settings]
+
+
 def key(record: dict, task: str | None = None) -> tuple:
     return record["model"], task or record["task"], record["length"], record["label"]
 
@@ -335,6 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", help=f"default: {LENGTHS} (--table: those in the log)")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, help="default: all six (--table: those in the log)")
     parser.add_argument("--samples", type=int, default=10, help="samples of each task at each length and setting")
+    parser.add_argument("--settings", nargs="+", metavar="LABEL",
+                        help="only these settings, by their labels in the table (e.g. rerope 'rerope(log_n=True)' "
+                             "auto); default: every one")
     parser.add_argument("--budget-minutes", type=float, help="start no run that would end after this many minutes")
     parser.add_argument("--url", help="a running server of --model instead of starting one")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -355,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         from rope_plugins.server.provision import provision
 
         own = declared_train_length(AutoConfig.from_pretrained(provision(args.model)))
-        jobs = still_to_do(plan(args.model, own, args.lengths or LENGTHS, args.tasks or TASKS), args.runs,
-                           args.samples)
+        jobs = still_to_do(chosen(plan(args.model, own, args.lengths or LENGTHS, args.tasks or TASKS), args.settings),
+                           args.runs, args.samples)
         print(f"{len(jobs)} runs to do for {args.model} ({args.samples} samples each)", file=sys.stderr)
         minutes = args.budget_minutes
         measure(args, jobs, time.perf_counter() + (60 * minutes if minutes is not None else math.inf))

@@ -23,6 +23,16 @@ def test_the_plan_runs_log_n_only_past_training_and_names_the_pretend_training_l
         "yarn(factor=auto)"}
 
 
+def test_settings_are_chosen_by_their_labels_and_an_unknown_label_says_which_exist():
+    jobs = ruler.plan("smollm2-135m", 8192, [8192, 32768], ["niah_single_1"])
+    picked = ruler.chosen(jobs, ["rerope", "dual_chunk(log_n=True)"])
+    assert [(job["length"], job["label"]) for job in picked] == [(8192, "rerope"), (32768, "rerope"),
+                                                                  (32768, "dual_chunk(log_n=True)")]
+    assert ruler.chosen(jobs, None) == jobs
+    with pytest.raises(SystemExit, match=r"no setting labelled rerop .*the labels: none, rerope"):
+        ruler.chosen(jobs, ["rerop"])
+
+
 def logged(job: dict, scores: dict[str, list[float]]) -> str:
     """A runs-log line: one lm-eval run of ``job`` over the tasks of ``scores``."""
     record = {**{k: v for k, v in job.items() if k != "tasks"}, "scores": scores, "seconds": 20.0,
