@@ -289,8 +289,9 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
     running_sum = tl.zeros(position.shape, tl.float32)
     out = tl.zeros(near_query[0].shape, tl.float32), tl.zeros(near_query[0].shape, tl.float32)
     # Key tiles by angle sums: prefill 1.4x faster on an H200 at the same launch
-    # (bench/results/gpu_kernel_speed_{key,tile}_angles.json), decode by tl.dot 1.3x
-    # (gpu_kernel_speed_decode_dot.json; with broadcast sums, whose products fill the registers, slower).
+    # (bench/results/gpu_kernel_speed_{key,tile}_angles.json), decode by tl.dot 1.3x for rows that
+    # turn every key, ReRoPE's (far keys raw) 0.75x (gpu_kernel_speed_decode_dot.json; with
+    # broadcast sums, whose products fill the registers, slower for all).
     theta, window, leak, far_origin, _, _, _, chunk_length = rule
     windows = query_window(position, window, far_origin, chunk_length)
     near_edges = tl.min(position - windows, axis=0), tl.max(position - windows, axis=0)
