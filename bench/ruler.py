@@ -20,6 +20,9 @@ first samples for every setting), sized by the model's own tokenizer (``--metada
   request), dual-chunk attention, STRING, each also with log-n, and the server's ``auto``.
   Inside the training length log-n is 1 at every position, so its rows are not run twice there.
 
+A setting that scored 0 on every task of a run at one length is not run at the longer ones
+(``--after-zero`` runs it): the table says so rather than leaving the cell blank.
+
 Each run's per-sample scores (RULER's: the share of the expected strings in the answer) land in
 ``bench/results/ruler_runs.jsonl`` as it ends; a rerun skips what is there. The summary
 (``ruler.json``, ``ruler.png``) gives each score with a 95% Wilson interval over its samples,
@@ -116,6 +119,16 @@ def still_to_do(jobs: list[dict], runs: Path, samples: int) -> list[dict]:
     done = {key(r) for r in records(runs) if r["n"] >= samples}
     left = [{**job, "tasks": [task for task in job["tasks"] if key(job, task) not in done]} for job in jobs]
     return [job for job in left if job["tasks"]]
+
+
+def after_a_zero(jobs: list[dict], runs: Path) -> tuple[list[dict], list[dict]]:
+    """The jobs to run, and those left out because their setting scored 0 on every one of their
+    tasks at a shorter length of the same model: past training a score falls with the length, so
+    a setting that found nothing at 16k is not given 33 minutes to find nothing at 32k."""
+    zero = {(r["model"], r["task"], r["label"], r["length"]) for r in records(runs) if r["score"] == 0}
+    failed = lambda job: all(any((job["model"], task, job["label"], shorter) in zero  # noqa: E731
+                                 for shorter in LENGTHS if shorter < job["length"]) for task in job["tasks"])
+    return [job for job in jobs if not failed(job)], [job for job in jobs if failed(job)]
 
 
 def run_job(job: dict, base: str, served: str, tokenizer: Path, samples: int, scratch: Path,
@@ -236,13 +249,20 @@ def summarize_model(runs: list[dict], tasks: list[str]) -> dict:
     settings = sorted(without_log_n, key=rank)
     for c in cells.values():
         c["of_own_4k"] = round(c["score"] / own, 3) if own else None
-    effective = {}
+    # inside training a log-n row is its row without log-n (not run twice): below the first length of any log-n row
+    past_training = min((c["length"] for c in cells.values() if c["setting"] != without_log_n[c["setting"]]),
+                        default=math.inf)
+    longest = max((c["length"] for c in cells.values()), default=0)
+    effective, at_least = {}, []
     for name in settings:
-        # inside training a log-n row is its row without log-n (not run twice)
-        scores = {c["length"]: c["score"] for c in cells.values() if c["setting"] == without_log_n[name]}
+        scores = {c["length"]: c["score"] for c in cells.values()
+                  if c["setting"] == without_log_n[name] and c["length"] < past_training}
         scores |= {c["length"]: c["score"] for c in cells.values() if c["setting"] == name}
         effective[name] = effective_length(scores, own) if own and min(scores, default=None) == 4096 else None
-    return {"own_4k": own, "settings": settings, "cells": cells, "effective_length": effective}
+        if effective[name] and effective[name] == max(scores) < longest:  # held at every length run so far
+            at_least.append(name)
+    return {"own_4k": own, "settings": settings, "cells": cells, "effective_length": effective,
+            "effective_at_least": at_least}
 
 
 def summarize(log: list[dict], tasks: list[str], meta: dict) -> dict:
@@ -261,13 +281,16 @@ def model_table(name: str, model: dict, lengths: list[int]) -> list[str]:
              "| setting | " + " | ".join(f"{length // 1024}k" for length in lengths) + " | effective length |",
              "| --- | " + " | ".join("---" for _ in lengths) + " | --- |"]
     for setting in model["settings"]:
-        cells = []
+        cells, zero_at = [], None
         for length in lengths:
             c = model["cells"].get(f"{setting} @ {length}")
             share = f", {c['of_own_4k']:.2f}x" if c and c["of_own_4k"] is not None else ""
-            cells.append(f"{c['score']:.3f} [{c['low']:.2f}, {c['high']:.2f}]{share}" if c else "")
+            after_zero = f"not run: 0 at {zero_at // 1024}k" if zero_at else ""
+            cells.append(f"{c['score']:.3f} [{c['low']:.2f}, {c['high']:.2f}]{share}" if c else after_zero)
+            zero_at = zero_at or (length if c and c["score"] == 0 else None)
         effective = model["effective_length"].get(setting)
         shown = "" if effective is None else f"{effective // 1024}k" if effective else f"below {lengths[0] // 1024}k"
+        shown = f"at least {shown}" if setting in model.get("effective_at_least", []) else shown
         lines.append(f"| {setting} | " + " | ".join(cells) + f" | {shown} |")
     return lines
 
@@ -279,14 +302,16 @@ def markdown(report: dict) -> str:
     lines = [f"Tasks: {', '.join(report['tasks'])}; each cell the mean of their scores, [its 95% Wilson "
              f"interval over the {'/'.join(map(str, report['samples_per_run']))} samples of each task], and "
              "its share of the model's own 4k score. A blank: not measured yet (or inside training, for a "
-             "log-n row: the row without log-n)."]
+             "log-n row: the row without log-n). Not run: a setting that scored 0 at a shorter length is not run "
+             "at the longer ones (`--after-zero` runs it)."]
     for name, model in report["models"].items():
         lines += [""] + model_table(name, model, lengths)
     left = sorted(set(report["left_out"].values()))
     lines += ["", f"- Left out, because lm-eval downloads their text: the tasks built on {', '.join(left)} "
                   f"({', '.join(sorted(report['left_out']))}).",
               f"- Effective length: the longest length up to which the score stays at or above "
-              f"{report['threshold']:.1%} of the model's own 4k score.",
+              f"{report['threshold']:.1%} of the model's own 4k score (at least: the longer lengths are "
+              "not measured yet).",
               f"- {report['measured_hours']:.1f} h of runs in all, on {report['machine']}."]
     return "\n".join(lines)
 
@@ -314,7 +339,7 @@ def plot(report: dict, path: Path) -> None:
                 axis.text(column, row, f"{score:.2f}", ha="center", va="center", fontsize=8)
         axis.set_xticks(range(len(lengths)), [f"{length // 1024}k" for length in lengths])
         axis.set_yticks(range(len(model["settings"])), model["settings"], fontsize=8)
-        axis.set(xlabel="tokens (blank: not run yet)", title=f"{name}: RULER score, mean over tasks")
+        axis.set(xlabel="tokens (blank: not run yet, or after a 0)", title=f"{name}: RULER score, mean over tasks")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -349,6 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--settings", nargs="+", metavar="LABEL",
                         help="only these settings, by their labels in the table (e.g. rerope 'rerope(log_n=True)' "
                              "auto); default: every one")
+    parser.add_argument("--after-zero", action="store_true",
+                        help="also run a setting at lengths past one where it scored 0 on every task")
     parser.add_argument("--budget-minutes", type=float, help="start no run that would end after this many minutes")
     parser.add_argument("--url", help="a running server of --model instead of starting one")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -371,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         own = declared_train_length(AutoConfig.from_pretrained(provision(args.model)))
         jobs = still_to_do(chosen(plan(args.model, own, args.lengths or LENGTHS, args.tasks or TASKS), args.settings),
                            args.runs, args.samples)
+        if not args.after_zero:
+            jobs, skipped = after_a_zero(jobs, args.runs)
+            for job in skipped:
+                print(f"not run: {job['label']} at {job['length']} (0 at a shorter length; --after-zero runs it)",
+                      file=sys.stderr)
         print(f"{len(jobs)} runs to do for {args.model} ({args.samples} samples each)", file=sys.stderr)
         minutes = args.budget_minutes
         measure(args, jobs, time.perf_counter() + (60 * minutes if minutes is not None else math.inf))

@@ -52,6 +52,18 @@ def test_a_rerun_does_only_the_tasks_the_log_lacks_with_enough_samples(tmp_path)
     assert per_task["none", "ruler_vt"]["score"] == 0.5 and per_task["none", "ruler_vt"]["seconds"] == 10.0
 
 
+def test_a_setting_that_scored_zero_on_every_task_is_not_run_at_longer_lengths(tmp_path):
+    jobs = ruler.plan("smollm2-135m", 8192, [16384, 32768], ["niah_single_1", "ruler_vt"])
+    at = {(job["label"], job["length"]): job for job in jobs}
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(logged(at["string", 16384], {"niah_single_1": [0.0] * 10, "ruler_vt": [0.0] * 10})
+                    + logged(at["yarn(factor=auto)", 16384], {"niah_single_1": [0.0] * 10, "ruler_vt": [0.1] * 10}))
+    kept, skipped = ruler.after_a_zero(ruler.still_to_do(jobs, runs, samples=10), runs)
+    assert [(job["label"], job["length"]) for job in skipped] == [("string", 32768)]
+    assert ("yarn(factor=auto)", 32768) in [(job["label"], job["length"]) for job in kept]  # one task above 0
+    assert ("string(log_n=True)", 32768) in [(job["label"], job["length"]) for job in kept]  # its own row
+
+
 @pytest.mark.parametrize("mean,n", [(0.0, 10), (1.0, 10), (0.5, 40), (0.9, 3)])
 def test_the_wilson_interval_holds_the_mean_inside_zero_and_one(mean, n):
     low, high = ruler.wilson(mean, n)
@@ -99,3 +111,16 @@ def test_the_report_renders_every_model_and_says_what_was_left_out(tmp_path):
     assert "essays" in text and "HotpotQA" in text
     ruler.plot(summary, tmp_path / "ruler.png")
     assert (tmp_path / "ruler.png").stat().st_size > 0
+
+
+def test_a_log_n_row_borrows_only_the_lengths_inside_training_and_an_open_effective_length_says_at_least():
+    runs = fake_runs({("none", 4096): 1.0, ("none", 8192): 1.0, ("none", 16384): 0.0,
+                      ("rerope", 4096): 1.0, ("rerope", 8192): 1.0, ("rerope", 16384): 1.0, ("rerope", 32768): 1.0,
+                      ("rerope(log_n=True)", 16384): 1.0})
+    model = ruler.summarize_model(runs, ["niah_single_1", "ruler_vt"])
+    # ReRoPE's own 32k score is not its log-n twin's: that one held up to 16k, all it has run
+    assert model["effective_length"]["rerope(log_n=True)"] == 16384
+    assert model["effective_at_least"] == ["rerope(log_n=True)"]
+    table = "\n".join(ruler.model_table("smollm2-135m", model, ruler.LENGTHS))
+    assert "| rerope(log_n=True) |  |  | 1.000 [0.68, 1.00], 1.00x |  | at least 16k |" in table
+    assert "| none | " in table and "0.00x | not run: 0 at 16k | 8k |" in table
