@@ -376,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "auto); default: every one")
     parser.add_argument("--after-zero", action="store_true",
                         help="also run a setting at lengths past one where it scored 0 on every task")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs left and their expected time, and stop")
     parser.add_argument("--budget-minutes", type=float, help="start no run that would end after this many minutes")
     parser.add_argument("--url", help="a running server of --model instead of starting one")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -403,7 +404,15 @@ def main(argv: list[str] | None = None) -> int:
             for job in skipped:
                 print(f"not run: {job['label']} at {job['length']} (0 at a shorter length; --after-zero runs it)",
                       file=sys.stderr)
-        print(f"{len(jobs)} runs to do for {args.model} ({args.samples} samples each)", file=sys.stderr)
+        log = records(args.runs)
+        hours = sum(expected_seconds(job, log, args.samples) for job in jobs) / 3600
+        print(f"{len(jobs)} runs to do for {args.model} ({args.samples} samples each): about {hours:.1f} h at the "
+              "pace the log shows at each length", file=sys.stderr)
+        if args.dry_run:
+            for job in jobs:
+                minutes = expected_seconds(job, log, args.samples) / 60
+                print(f"  {job['label']} at {job['length']}: {', '.join(job['tasks'])} (about {minutes:.0f} min)")
+            return 0
         minutes = args.budget_minutes
         measure(args, jobs, time.perf_counter() + (60 * minutes if minutes is not None else math.inf))
     return report(args)

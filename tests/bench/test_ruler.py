@@ -124,3 +124,18 @@ def test_a_log_n_row_borrows_only_the_lengths_inside_training_and_an_open_effect
     table = "\n".join(ruler.model_table("smollm2-135m", model, ruler.LENGTHS))
     assert "| rerope(log_n=True) |  |  | 1.000 [0.68, 1.00], 1.00x |  | at least 16k |" in table
     assert "| none | " in table and "0.00x | not run: 0 at 16k | 8k |" in table
+
+
+def test_a_dry_run_lists_the_runs_left_with_their_hours_and_starts_nothing(tmp_path, capsys):
+    jobs = ruler.plan("smollm2-135m", 8192, [16384], ["niah_single_1"])
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(logged(jobs[0], {"niah_single_1": [0.0] * 10}))  # none at 16k: 10 samples in 20 s
+    argv = ["--model", "smollm2-135m", "--lengths", "16384", "32768", "--tasks", "niah_single_1", "--runs", str(runs),
+            "--out-dir", str(tmp_path), "--dry-run"]
+    assert ruler.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "not run: none at 32768 (0 at a shorter length" in err
+    # 14 runs left at 16k at the logged 2 s a sample; 14 at 32k (not none) at the guess, 8 x 8^1.5 s a sample
+    hours = (14 * 20 + 14 * 10 * 8 * 8**1.5) / 3600
+    assert f"28 runs to do for smollm2-135m (10 samples each): about {hours:.1f} h" in err
+    assert "  rerope at 16384: niah_single_1 (about 0 min)" in out and not list(tmp_path.glob("ruler.json"))
