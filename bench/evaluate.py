@@ -712,6 +712,17 @@ def markdown(report: dict) -> str:
     return markdown_report(report) + "\n\n" + "\n".join(f"- {line}" for line in readings(report) + [cost(report)])
 
 
+def settings_argument(text: str) -> dict:
+    """One ``--settings`` value: a ``context_extension`` object as JSON, of a method measured here."""
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(settings, dict) or settings.get("method") not in METHODS:
+        raise argparse.ArgumentTypeError(f"an object whose method is one of {', '.join(METHODS)}, got {text}")
+    return settings
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -721,6 +732,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keys", type=int, default=2, help="passkey trials per depth")
     parser.add_argument("--corpus", default="pydoc")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--settings", nargs="+", type=settings_argument, metavar="JSON",
+                        help="measure these settings instead of --methods' grid, each a context_extension object "
+                             """(e.g. '{"method": "dual_chunk", "chunk_size": 8192, "log_n": true}')""")
     parser.add_argument("--without-log-n", action="store_true", help="only the methods as they are, none with log_n")
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True,
                         help="the window and beta ablations at the first length past training")
@@ -752,7 +766,7 @@ def main() -> int:
     stem = args.stem or ("eval_quick" if quick else "eval") + ("" if args.dtype == "float32" else f"_{args.dtype}")
     args.runs = args.runs or args.out_dir / f"{stem}_runs.jsonl"
     lengths = [QUICK_LENGTH] if quick else args.lengths
-    grid = configs(args.methods, log_n_too=not (quick or args.without_log_n))
+    grid = args.settings or configs(args.methods, log_n_too=not (quick or args.without_log_n))
     jobs = [("loss", s, QUICK_LENGTH) for s in grid] if quick else plan(lengths, grid, args.depths, args.keys,
                                                                          args.ablations)
     jobs = [job for job in jobs if job[0] in args.tests]

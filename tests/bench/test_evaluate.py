@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -190,3 +191,14 @@ def test_the_report_names_the_tokenizer_of_its_records(tmp_path):
         runs.write_text("".join(json.dumps(record) + "\n" for record in records))
         assert evaluate.report(runs, jobs, meta, tmp_path, "eval") == 0
         assert named in evaluate.markdown(json.loads((tmp_path / "eval.json").read_text()))
+
+
+def test_settings_named_on_the_command_line_replace_the_grid_and_a_bad_one_says_why():
+    settings = evaluate.settings_argument('{"method": "dual_chunk", "chunk_size": 8192, "log_n": true}')
+    jobs = evaluate.plan([32768], [settings], [0.5], 2, with_ablations=False)
+    name = "dual_chunk(chunk_size=8192,log_n=True)"
+    assert [(job[0], evaluate.label(job[1])) for job in jobs if job[0] != "repeat"] == [("loss", name)] + [
+        ("passkey", name)] * 2
+    for bad in ['{"method": "rope"}', "[1]", "{method"]:
+        with pytest.raises(argparse.ArgumentTypeError, match="method is one of|not JSON"):
+            evaluate.settings_argument(bad)
