@@ -113,6 +113,11 @@ AUTO_CANDIDATES = [
     {"method": "self_extend", "window": TRAIN_LENGTH * 3 // 4, "group": 8},
     {"method": "self_extend", "window": TRAIN_LENGTH * 3 // 4, "group": 16},
     {"method": "self_extend", "window": TRAIN_LENGTH * 7 // 8, "group": 32},
+    # dual-chunk attention's chunks as long as training (ChunkLlama's 3/4 is the method's own row),
+    # with log-n and without, and with a local window twice its default 1/16
+    {"method": "dual_chunk", "chunk_size": TRAIN_LENGTH, "log_n": True},
+    {"method": "dual_chunk", "chunk_size": TRAIN_LENGTH},
+    {"method": "dual_chunk", "chunk_size": TRAIN_LENGTH, "local_window": TRAIN_LENGTH // 8, "log_n": True},
 ]
 
 
@@ -642,8 +647,11 @@ def past_training(losses: dict[tuple, float], labels: list[str], train: int, lon
     at = {name: losses[(name, longest)] for name in labels if (name, longest) in losses}
     rise = lambda name: f" ({at[name] - losses[(name, train)]:+.3f})" if (name, train) in losses else ""  # noqa: E731
     best = ", ".join(f"`{name}` {value:.3f}{rise(name)}" for name, value in ranked(at, 3).items())
+    # a grid of named settings (--settings) may hold plain RoPE at the training length alone
+    plain = (f"plain RoPE {at['none']:.3f} ({at['none'] - losses[('none', train)]:+.3f})" if "none" in at
+             else f"plain RoPE at {length_name(train)} {losses[('none', train)]:.3f}")
     lines = [f"Lowest loss at {length_name(longest)} (in brackets: the change from {length_name(train)}): {best}; "
-             f"plain RoPE {at['none']:.3f} ({at['none'] - losses[('none', train)]:+.3f})."]
+             f"{plain}."]
     past = [n for n in sorted({n for _, n in losses}) if n > train and ("rerope", n) in losses]
     if not past or ("rerope", train) not in losses:  # a partial grid without ReRoPE's rows
         return lines
@@ -694,7 +702,7 @@ def readings(report: dict) -> list[str]:
     if train not in lengths:
         return [f"Lowest loss at {length_name(lengths[-1])}: "
                 f"{listed(ranked({n: losses[(n, lengths[-1])] for n in labels}, 3))}."]
-    lines = [within_training(losses, labels, train)]
+    lines = [within_training(losses, labels, train)] if any(name != "none" for name, n in losses if n == train) else []
     if lengths[-1] > train:
         lines += past_training(losses, labels, train, lengths[-1]) + log_n_effect(losses, lengths[-1])
     return lines + retrieval(rows, labels, lengths[-1])

@@ -140,6 +140,14 @@ def test_the_readings_compare_log_n_and_the_training_length():
                            "it raises it for `yarn` (2.800 to 2.900).")
 
 
+def test_the_readings_of_named_settings_past_training_name_plain_ropes_loss_inside_it():
+    rows = [{"label": "none", "length": 8192, "nll": 2.46, "accuracy": 0.5},
+            {"label": "dual_chunk(chunk_size=8192)", "length": 32768, "nll": 2.48, "accuracy": 0.5}]
+    readings = evaluate.readings({**summary_of(rows), "train_length": 8192})
+    assert readings[0] == ("Lowest loss at 32k (in brackets: the change from 8k): `dual_chunk(chunk_size=8192)` "
+                           "2.480; plain RoPE at 8k 2.460.")  # and no line of costs inside training: none measured
+
+
 def test_the_time_estimate_comes_from_the_log_and_scales_to_longer_lengths():
     rerope = {"method": "rerope"}
     records = [{"test": "loss", "length": 16384, "seconds": 400.0},  # an older, slower machine: not among the latest 3
