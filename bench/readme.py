@@ -35,6 +35,7 @@ RENDERERS = {
     "eval_quick": ("evaluate", "markdown"),
     "eval_digits": ("evaluate", "markdown"),
     "eval_new_methods": ("evaluate", "markdown"),
+    "eval_dual_chunk": ("evaluate", "markdown"),
     "ruler": ("ruler", "markdown"),
     "loadtest": ("readme", "loadtest_markdown"),
     "step_budget": ("step_budget", "markdown"),

@@ -116,7 +116,7 @@ def test_the_report_line_tells_missing_measurements_from_unplanned_cells():
     assert "all 9 planned measurements." in no_dashes
 
 
-@pytest.mark.parametrize("stem", ["eval", "eval_quick", "eval_digits"])
+@pytest.mark.parametrize("stem", ["eval", "eval_quick", "eval_digits", "eval_new_methods", "eval_dual_chunk"])
 def test_bench_readme_shows_the_committed_results(stem):
     """bench/README.md's block is the summary file's, and the summary file is its results log's
     (rerun `bench/evaluate.py [--quick] --table --readme` after measuring)."""
