@@ -632,13 +632,16 @@ def ranked(values: dict[str, float], best: int, lowest_first: bool = True) -> di
     return dict(sorted(values.items(), key=lambda item: item[1] if lowest_first else -item[1])[:best])
 
 
-def within_training(losses: dict[tuple, float], labels: list[str], train: int) -> str:
-    """The cost of each method inside the training length, against plain RoPE."""
+def within_training(losses: dict[tuple, float], labels: list[str], train: int) -> list[str]:
+    """The cost of each method inside the training length, against plain RoPE (no line where no
+    other method was measured there: a grid of named settings past training)."""
     plain = losses[("none", train)]
     costs = {name: losses[(name, train)] - plain for name in labels
              if name != "none" and name in METHODS and (name, train) in losses}
-    return (f"Within training ({length_name(train)}), each method's loss against plain RoPE's ({plain:.3f}): "
-            f"{listed(costs, '{:+.3f}')}.")
+    if not costs:
+        return []
+    return [f"Within training ({length_name(train)}), each method's loss against plain RoPE's ({plain:.3f}): "
+            f"{listed(costs, '{:+.3f}')}."]
 
 
 def past_training(losses: dict[tuple, float], labels: list[str], train: int, longest: int) -> list[str]:
@@ -702,7 +705,7 @@ def readings(report: dict) -> list[str]:
     if train not in lengths:
         return [f"Lowest loss at {length_name(lengths[-1])}: "
                 f"{listed(ranked({n: losses[(n, lengths[-1])] for n in labels}, 3))}."]
-    lines = [within_training(losses, labels, train)] if any(name != "none" for name, n in losses if n == train) else []
+    lines = within_training(losses, labels, train)
     if lengths[-1] > train:
         lines += past_training(losses, labels, train, lengths[-1]) + log_n_effect(losses, lengths[-1])
     return lines + retrieval(rows, labels, lengths[-1])

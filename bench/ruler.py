@@ -121,14 +121,18 @@ def still_to_do(jobs: list[dict], runs: Path, samples: int) -> list[dict]:
     return [job for job in left if job["tasks"]]
 
 
-def after_a_zero(jobs: list[dict], runs: Path) -> tuple[list[dict], list[dict]]:
+def after_a_zero(jobs: list[dict], log: list[dict]) -> tuple[list[dict], list[dict]]:
     """The jobs to run, and those left out because their setting scored 0 on every one of their
-    tasks at a shorter length of the same model: past training a score falls with the length, so
-    a setting that found nothing at 16k is not given 33 minutes to find nothing at 32k."""
-    zero = {(r["model"], r["task"], r["label"], r["length"]) for r in records(runs) if r["score"] == 0}
-    failed = lambda job: all(any((job["model"], task, job["label"], shorter) in zero  # noqa: E731
-                                 for shorter in LENGTHS if shorter < job["length"]) for task in job["tasks"])
-    return [job for job in jobs if not failed(job)], [job for job in jobs if failed(job)]
+    tasks at a shorter length of the same model (``log``: :func:`records`): past training a score
+    falls with the length, so a setting that found nothing at 16k is not given 33 minutes to find
+    nothing at 32k."""
+    zero = {(r["model"], r["task"], r["label"], r["length"]) for r in log if r["score"] == 0}
+    kept, skipped = [], []
+    for job in jobs:
+        failed = all(any((job["model"], task, job["label"], shorter) in zero
+                         for shorter in LENGTHS if shorter < job["length"]) for task in job["tasks"])
+        (skipped if failed else kept).append(job)
+    return kept, skipped
 
 
 def run_job(job: dict, base: str, served: str, tokenizer: Path, samples: int, scratch: Path,
@@ -160,16 +164,15 @@ def expected_seconds(job: dict, log: list[dict], samples: int) -> float:
     return per_sample * samples * len(job["tasks"])
 
 
-def measure(args: argparse.Namespace, jobs: list[dict], deadline: float) -> None:
-    """The model's jobs against ``--url`` or a server started for them (its log beside the
-    results), each appended to the log as it ends, while the next one fits before ``deadline``."""
+def measure(args: argparse.Namespace, jobs: list[dict], work: list[float], deadline: float) -> None:
+    """The model's jobs (``work``: each one's expected seconds) against ``--url`` or a server started
+    for them (its log beside the results), each appended to the log as it ends, while the next one
+    fits before ``deadline``."""
     from tqdm import tqdm
 
     from rope_plugins.server.provision import provision
     from rope_plugins.testing.launcher import running_server
 
-    log = records(args.runs)
-    work = [expected_seconds(job, log, args.samples) for job in jobs]
     flags = ["--model", args.model, "--max-model-len", str(max(job["length"] for job in jobs) + 2 * GENERATED_TOKENS),
              "--kv-cache-memory", str(3 << 30), "--max-num-seqs", "2", "--log-level", "warning"]
     api_key = os.environ.get("ROPE_EXTEND_API_KEY")
@@ -399,22 +402,21 @@ def main(argv: list[str] | None = None) -> int:
         own = declared_train_length(AutoConfig.from_pretrained(provision(args.model)))
         jobs = still_to_do(chosen(plan(args.model, own, args.lengths or LENGTHS, args.tasks or TASKS), args.settings),
                            args.runs, args.samples)
+        log = records(args.runs)
         if not args.after_zero:
-            jobs, skipped = after_a_zero(jobs, args.runs)
+            jobs, skipped = after_a_zero(jobs, log)
             for job in skipped:
                 print(f"not run: {job['label']} at {job['length']} (0 at a shorter length; --after-zero runs it)",
                       file=sys.stderr)
-        log = records(args.runs)
-        hours = sum(expected_seconds(job, log, args.samples) for job in jobs) / 3600
-        print(f"{len(jobs)} runs to do for {args.model} ({args.samples} samples each): about {hours:.1f} h at the "
-              "pace the log shows at each length", file=sys.stderr)
+        work = [expected_seconds(job, log, args.samples) for job in jobs]
+        print(f"{len(jobs)} runs to do for {args.model} ({args.samples} samples each): about {sum(work) / 3600:.1f} h "
+              "at the pace the log shows at each length", file=sys.stderr)
         if args.dry_run:
-            for job in jobs:
-                minutes = expected_seconds(job, log, args.samples) / 60
-                print(f"  {job['label']} at {job['length']}: {', '.join(job['tasks'])} (about {minutes:.0f} min)")
+            for job, seconds in zip(jobs, work):
+                print(f"  {job['label']} at {job['length']}: {', '.join(job['tasks'])} (about {seconds / 60:.0f} min)")
             return 0
         minutes = args.budget_minutes
-        measure(args, jobs, time.perf_counter() + (60 * minutes if minutes is not None else math.inf))
+        measure(args, jobs, work, time.perf_counter() + (60 * minutes if minutes is not None else math.inf))
     return report(args)
 
 

@@ -58,7 +58,7 @@ def test_a_setting_that_scored_zero_on_every_task_is_not_run_at_longer_lengths(t
     runs = tmp_path / "runs.jsonl"
     runs.write_text(logged(at["string", 16384], {"niah_single_1": [0.0] * 10, "ruler_vt": [0.0] * 10})
                     + logged(at["yarn(factor=auto)", 16384], {"niah_single_1": [0.0] * 10, "ruler_vt": [0.1] * 10}))
-    kept, skipped = ruler.after_a_zero(ruler.still_to_do(jobs, runs, samples=10), runs)
+    kept, skipped = ruler.after_a_zero(ruler.still_to_do(jobs, runs, samples=10), ruler.records(runs))
     assert [(job["label"], job["length"]) for job in skipped] == [("string", 32768)]
     assert ("yarn(factor=auto)", 32768) in [(job["label"], job["length"]) for job in kept]  # one task above 0
     assert ("string(log_n=True)", 32768) in [(job["label"], job["length"]) for job in kept]  # its own row
