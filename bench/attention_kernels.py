@@ -191,10 +191,9 @@ def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0, rounded
             far_step_sin=zeros(1, -(-seq // step)), far_offset_cos=ones(1, step), far_offset_sin=zeros(1, step),
             far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64))
         # as the engine calls it (rope_plugins/ops/cpu.py): a float32 query, the output in the model's dtype
-        tiles = cpu.uses_matrix_tiles(cache)
         once = cpu.rounds_once(cache, rounded_once)
         return lambda: native.decode_attention(inputs, query=query.float(), kv_cache=cache, scale=SCALE,
-                                               matrix_tiles=tiles, rounded_once=once).to(query.dtype)
+                                               rounded_once=once).to(query.dtype)
 
     return prepare
 

@@ -66,15 +66,17 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the caches the
 
 
 def uses_matrix_tiles(kv_cache: torch.Tensor) -> bool:
-    """A 16-bit cache's prefill (and a bfloat16 cache's raw keys in decode) take AMX tiles where
-    the CPU has them, as stock vLLM's attention does in bfloat16 (float32 stays on the float32
-    micro-kernel)."""
+    """A 16-bit cache's prefill takes AMX tiles where the CPU has them, as stock vLLM's attention
+    does in bfloat16 (float32 stays on the float32 micro-kernel). The decode does not: its raw
+    bfloat16 keys on tiles scored faster with the cache in L2 but read a real step's cache from
+    memory 5-19% slower than vdpbf16ps in vector registers (docs/design.md)."""
     return kv_cache.dtype != torch.float32 and native.matrix_tiles_ready()
 
 
 def rounds_once(kv_cache: torch.Tensor, rounded_once: bool) -> bool:
-    """Whether the AMX tiles take their operands rounded once to bfloat16, as asked: a bfloat16
-    cache's only (rounding a float16 model's operands to bfloat16 would drop 3 of their bits)."""
+    """Whether the AMX tiles (and the decode's vdpbf16ps against raw keys) take their operands
+    rounded once to bfloat16, as asked: a bfloat16 cache's only (rounding a float16 model's
+    operands to bfloat16 would drop 3 of their bits)."""
     return rounded_once and kv_cache.dtype == torch.bfloat16
 
 
@@ -172,11 +174,10 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
            use_kernel: bool = True, rounded_once: bool = False) -> torch.Tensor:
     """All decode rows at once from their unrotated queries ``[Rd, heads, d]``: the C++ kernel
     (it reads the paged cache in place and rotates as it goes; ``rounded_once``: the far queries
-    on its AMX tiles), else :func:`decode_plain`."""
+    rounded once against raw bfloat16 keys), else :func:`decode_plain`."""
     if not (use_kernel and kv_cache.dtype in KERNEL_DTYPES and built_kernels() is not None):
         return decode_plain(query, kv_cache, plan, queries, scale=scale)
     return native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache, scale=scale,
-                                   matrix_tiles=uses_matrix_tiles(kv_cache),
                                    rounded_once=rounds_once(kv_cache, rounded_once)).to(query.dtype)
 
 

@@ -134,12 +134,12 @@ def decode_inputs(*, query_scale: torch.Tensor, query_cos: torch.Tensor, query_s
 
 
 def decode_attention(inputs, *, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-                     matrix_tiles: bool = False, rounded_once: bool = False) -> torch.Tensor:
+                     rounded_once: bool = False) -> torch.Tensor:
     """Single-pass decode of the rows of ``inputs`` (:func:`decode_inputs`) over the paged cache,
     float32: query ``[R, H, d]`` unrotated and unscaled, kv_cache ``[blocks, kv, bs, 2d]``. Returns ``[R, H, d]``.
-    ``matrix_tiles``: a bfloat16 cache's raw keys on AMX tiles (only where :func:`matrix_tiles_ready`),
-    the far queries as two bfloat16 parts, or rounded once to bfloat16 where ``rounded_once``."""
-    return kernels().decode_attention(inputs, query, kv_cache, scale, matrix_tiles, rounded_once)
+    A bfloat16 cache's raw keys (ReRoPE's old keys) meet the far queries as two bfloat16 parts by
+    vdpbf16ps, or rounded once to bfloat16 where ``rounded_once``."""
+    return kernels().decode_attention(inputs, query, kv_cache, scale, rounded_once)
 
 
 def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:

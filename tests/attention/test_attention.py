@@ -130,14 +130,14 @@ def test_16_bit_step_matches_oracle_to_one_rounding(use_kernel, dtype):
     assert (output.double() - expected).abs().max() > 0  # the output is in 16 bits: rounded, not float32 passed through
 
 
-# The prefill on AMX tiles (csrc/matrix_tiles.h; and the decode's raw bfloat16 keys) takes each
+# The prefill on AMX tiles (csrc/matrix_tiles.h; and the decode's raw bfloat16 keys by vdpbf16ps) takes each
 # float32 operand as two bfloat16 parts, which hold it to 2^-16 (two roundings of 2^-8); with
 # the low x low product left out, each product is within about 2^-15 of float32's, against
 # 2^-23. Fed float32 queries over a 16-bit cache, the output is not rounded to 16 bits, so the
 # float32 test's 2e-5 holds the float32 micro-kernel; the tiles get 2^-14 (6.1e-5: 1.3e-5 to 2.0e-5
 # measured here for heads of 32 to 128, at outputs up to 3.4, the products' errors partly cancelling). One
 # operand taken as a single bfloat16 (stock vLLM's rounding) is 2^-8 off: the queries' low
-# parts left out gave 6.6e-3 here (4.7e-3 in float16; in the decode's tiles, 1.3e-3).
+# parts left out gave 6.6e-3 here (4.7e-3 in float16; in the decode's tiles, since removed, 1.3e-3).
 MATRIX_TILES_TOLERANCE = 2.0**-14
 
 
@@ -146,8 +146,8 @@ MATRIX_TILES_TOLERANCE = 2.0**-14
 @needs_compiler
 @pytest.mark.parametrize("matrix_tiles", [True, False], ids=["amx-tiles", "float32-micro-kernel"])
 def test_16_bit_cache_step_matches_oracle_in_float32(matrix_tiles, dtype, head, monkeypatch):
-    """Every row of the step, prefill and decode (where ReRoPE's raw bfloat16 keys take the tiles
-    too), in head sizes that take each shape of the tile code: one 32-dimension step (D), two
+    """Every row of the step, prefill and decode (whose raw bfloat16 keys take vdpbf16ps with or
+    without AMX), in head sizes that take each shape of the tile code: one 32-dimension step (D), two
     with the queries kept in tiles (64), and a key tile at a time with two groups of P.V columns (128)."""
     if matrix_tiles and not native.matrix_tiles_ready():
         pytest.skip("no AMX on this CPU (or the kernels were built for another)")

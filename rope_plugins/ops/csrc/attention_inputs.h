@@ -71,14 +71,14 @@ auto with_cache_type(const torch::Tensor& kv_cache, const char* name, Body body)
 }  // namespace rope_kernels
 
 // query [R, H, d] unrotated, unscaled; kv_cache [blocks, kv, bs, 2d] (last dim contiguous). Returns [R, H, d].
-// matrix_tiles: a bfloat16 cache's raw keys (ReRoPE's old keys) scored on AMX tiles.
+// rounded_once: the far queries rounded once to bfloat16 against a bfloat16 cache's raw keys
+// (ReRoPE's old keys), where they are otherwise two bfloat16 parts.
 torch::Tensor decode_attention(const rope_kernels::DecodeInputs& rows, const torch::Tensor& query,
-                               const torch::Tensor& kv_cache, double scale, bool matrix_tiles,
-                               bool rounded_once);
+                               const torch::Tensor& kv_cache, double scale, bool rounded_once);
 
 // query [L, H, d] unrotated, unscaled (any token and head strides); near_keys / far_keys
 // [kv, tiles, d, kKeyTile] (cache_key_tiles); values [kv, >= seq_len, d]. Returns [L, H, d].
-// Whether prefill_attention and decode_attention can take matrix_tiles: built for a CPU with AMX
+// Whether prefill_attention can take matrix_tiles: built for a CPU with AMX
 // and granted its tile state.
 bool matrix_tiles_ready();
 

@@ -23,7 +23,6 @@
 
 #include "attention_inputs.h"
 #include "decode_vector.h"
-#include "matrix_tiles.h"
 #include "vector_math.h"
 
 namespace {
@@ -61,8 +60,7 @@ struct DecodeView {
   int64_t heads, kv_heads, queries_per_kv, chunks;
   float scale;
   float *partial_max, *partial_sum, *partial_out, *out;
-  bool matrix_tiles;  // raw bfloat16 keys scored on AMX tiles (csrc/matrix_tiles.h)
-  bool rounded_once = false;  // on the tiles, the far queries rounded once to bfloat16
+  bool rounded_once = false;  // the far queries rounded once to bfloat16 against raw bfloat16 keys
 };
 
 // A work item's buffers, one set per thread.
@@ -72,13 +70,11 @@ struct DecodeScratch {
   std::vector<float> split;    // AVX512_BF16 scoring: each query as two bfloat16 parts (as many bytes as in float32)
   std::vector<const void*> row_of;  // each key's cache row (its value follows d elements on)
   std::vector<float> maxima, totals, sums;  // the online softmax (kOnline): per query, its max, 16 sums, d sums
-  std::vector<uint16_t> tile_parts, staging;  // matrix tiles: the far queries as B operands, rows not in one run
-  std::vector<float> products;                // matrix tiles: C [16 keys][queries]
   DecodeScratch(int64_t d, int64_t queries_per_kv)
       : rotated(d), widened(d), scores(queries_per_kv * kDecodeChunk), near_q(queries_per_kv * d),
         far_q(queries_per_kv * d), far_q_step(queries_per_kv * d), partial(queries_per_kv * 16 * 16),
         split(queries_per_kv * d), row_of(kDecodeChunk), maxima(queries_per_kv), totals(queries_per_kv * 16),
-        sums(queries_per_kv * d), tile_parts(2 * d * queries_per_kv), staging(16 * d), products(16 * queries_per_kv) {}
+        sums(queries_per_kv * d) {}
 
   // key j's row (value: at + d) as float32: in place in a float32 cache, else widened into `widened`
   template <typename Element>
@@ -247,33 +243,9 @@ void score_run(DecodeScratch& scratch, int64_t from, int64_t to, int64_t keys, c
 
 using Angle = std::pair<const float*, const float*>;
 
-#if defined(ROPE_MATRIX_TILES)
-// score_raw on matrix tiles: 16 raw keys at a time, each block straight into the online softmax
-template <int64_t d>
-void score_raw_on_tiles(const DecodeView& view, int64_t near_from, int64_t keys, DecodeScratch& scratch) {
-  const rope_kernels::tiles::RawKeyTiles<d> raw{view.queries_per_kv,
-                                                view.cache_s2 * static_cast<int64_t>(sizeof(c10::BFloat16)),
-                                                scratch.tile_parts.data(), scratch.staging.data(),
-                                                scratch.products.data(), view.rounded_once};
-  raw.prepare(scratch.far_q.data());
-  raw.configure();
-  for (int64_t block = 0; block < near_from; block += 16) {
-    const int64_t count = std::min<int64_t>(16, near_from - block);
-    for (int64_t k = 0; k < count; ++k) prefetch<c10::BFloat16, d>(scratch, block + k, keys);
-    raw.score(scratch.row_of.data() + block, count, scratch.scores.data() + block, kDecodeChunk);
-    attend_block<c10::BFloat16, d>(scratch, block, count, view.queries_per_kv);
-  }
-  rope_kernels::tiles::release();
-}
-#endif
-
 // keys j < near_from under ReRoPE's far rule: the far query against the raw keys
 template <typename Element, int64_t d>
 void score_raw(const DecodeView& view, int64_t near_from, int64_t keys, DecodeScratch& scratch) {
-#if defined(ROPE_MATRIX_TILES)
-  if constexpr (std::is_same_v<Element, c10::BFloat16> && avx512::kScores<d>)
-    if (view.matrix_tiles && view.queries_per_kv <= 16) return score_raw_on_tiles<d>(view, near_from, keys, scratch);
-#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<Element, c10::BFloat16> && avx512::kScores<d>) {
     const auto score = [&](const auto& raw) {
@@ -430,8 +402,7 @@ void merge_chunks(const DecodeView& view, int64_t item) {
 
 template <typename Element, int64_t d>
 torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tensor& query,
-                                     const torch::Tensor& kv_cache, double scale, bool matrix_tiles,
-                                     bool rounded_once) {
+                                     const torch::Tensor& kv_cache, double scale, bool rounded_once) {
   check_inputs(rows, query, kv_cache);
   const auto contiguous_query = query.contiguous();
   const int64_t count = query.size(0), heads = query.size(1), kv_heads = kv_cache.size(1);
@@ -442,7 +413,7 @@ torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tens
                               torch::empty({count, kv_heads, chunks, queries_per_kv, d})};
   auto output = torch::empty({count, heads, d});
   DecodeView view = decode_view(rows, contiguous_query, kv_cache, scale, chunks, partials, output);
-  view.matrix_tiles = matrix_tiles, view.rounded_once = rounded_once;
+  view.rounded_once = rounded_once;
   at::parallel_for(0, count * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     DecodeScratch scratch(d, queries_per_kv);
     for (int64_t item = begin; item < end; ++item) attend_chunk<Element, d>(view, item, scratch);
@@ -455,22 +426,20 @@ torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tens
 
 template <int64_t d>
 torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor& query,
-                                   const torch::Tensor& kv_cache, double scale, bool matrix_tiles, bool rounded_once) {
+                                   const torch::Tensor& kv_cache, double scale, bool rounded_once) {
   return rope_kernels::with_cache_type(kv_cache, "decode_attention", [&](auto element) {
-    return decode_attention_typed<decltype(element), d>(rows, query, kv_cache, scale, matrix_tiles, rounded_once);
+    return decode_attention_typed<decltype(element), d>(rows, query, kv_cache, scale, rounded_once);
   });
 }
 
 }  // namespace
 
 torch::Tensor decode_attention(const DecodeInputs& rows, const torch::Tensor& query, const torch::Tensor& kv_cache,
-                               double scale, bool matrix_tiles, bool rounded_once) {
-  TORCH_CHECK(!matrix_tiles || matrix_tiles_ready(), "decode_attention: matrix tiles asked for, but this build or "
-              "CPU has no AMX (matrix_tiles_ready() is false)");
+                               double scale, bool rounded_once) {
   switch (query.size(2)) {
 #define ROPE_HEAD_DIM(D) \
   case D:                \
-    return decode_attention_dim<D>(rows, query, kv_cache, scale, matrix_tiles, rounded_once);
+    return decode_attention_dim<D>(rows, query, kv_cache, scale, rounded_once);
     ROPE_HEAD_DIM(32) ROPE_HEAD_DIM(64) ROPE_HEAD_DIM(80) ROPE_HEAD_DIM(96) ROPE_HEAD_DIM(128) ROPE_HEAD_DIM(256)
 #undef ROPE_HEAD_DIM
     default:

@@ -1,5 +1,4 @@
-// The prefill's two GEMMs on AMX tiles (Intel Xeon since Sapphire Rapids), for 16-bit caches,
-// and the decode's scores of raw bfloat16 keys (RawKeyTiles):
+// The prefill's two GEMMs on AMX tiles (Intel Xeon since Sapphire Rapids), for 16-bit caches:
 // one instruction multiplies bfloat16 tiles into a 16 x 16 float32 tile. vLLM's own CPU
 // attention takes them in bfloat16, where the float32 micro-kernel (micro_gemm.h) left the
 // plugin's prefill 2.8x slower than stock vLLM's at 8k on such a CPU.
@@ -317,75 +316,6 @@ inline void add_values(const uint16_t* p_high, const uint16_t* p_low, int64_t ld
 #undef ROPE_VALUE_TILES
   }
 }
-
-// The decode's raw bfloat16 keys (ReRoPE's old keys) on tiles: 16 cache rows at a time are an
-// A tile read in place (or through `staging` where they are not one run), against each query
-// as two B columns' worth of parts summed into one C tile [16 keys][queries]. Per 16 keys that
-// replaces 12 vdpbf16ps per key and the transpose-and-add of their sums (decode_vector.h).
-template <int64_t d>
-struct RawKeyTiles {
-  static constexpr int64_t steps = d / kDepth;  // 32 dimensions each
-  int64_t queries, pitch;                       // queries per kv head (<= 16), bytes from a cache row to the next
-  uint16_t* parts;      // B operands [2 (high, low)][steps][16 pairs][queries][2]
-  uint16_t* staging;    // [16][d]: rows that are not one run, and the last rows of a run
-  float* products;      // C [16 keys][queries]
-  bool rounded_once = false;  // the queries as their high parts alone
-
-  // the tile shapes of this kv head's queries; per thread, before score()
-  void configure() const {
-    TileConfig config;
-    const uint16_t columns = static_cast<uint16_t>(queries * sizeof(float));
-    config.bytes_per_row[0] = columns, config.rows[0] = kRows;  // C
-    config.bytes_per_row[1] = 64, config.rows[1] = kRows;       // A: 16 keys x 32 dimensions
-    config.bytes_per_row[2] = config.bytes_per_row[3] = columns, config.rows[2] = config.rows[3] = kRows;  // B
-    _tile_loadconfig(&config);
-  }
-
-  // the far queries [queries][d] (float32) as B operands
-  void prepare(const float* far_queries) const {
-    for (int64_t part = 0; part < (rounded_once ? 1 : 2); ++part)
-      for (int64_t step = 0; step < steps; ++step)
-        for (int64_t pair = 0; pair < kRows; ++pair)
-          for (int64_t g = 0; g < queries; ++g)
-            for (int64_t e = 0; e < 2; ++e) {
-              const float x = far_queries[g * d + step * kDepth + 2 * pair + e];
-              const float high = static_cast<float>(c10::BFloat16(x));
-              const c10::BFloat16 value = part == 0 ? c10::BFloat16(x) : c10::BFloat16(x - high);
-              parts[(((part * steps + step) * kRows + pair) * queries + g) * 2 + e] = value.x;
-            }
-  }
-
-  // scores[g * stride + k] of keys rows[0 .. count) (count <= 16)
-  void score(const void* const* rows, int64_t count, float* scores, int64_t stride) const {
-    const char* first = static_cast<const char*>(rows[0]);
-    const bool run = count == kRows && static_cast<const char*>(rows[kRows - 1]) == first + (kRows - 1) * pitch;
-    const char* keys = first;
-    int64_t key_pitch = pitch;
-    if (!run) {
-      for (int64_t k = 0; k < kRows; ++k)
-        if (k < count) std::copy_n(static_cast<const uint16_t*>(rows[k]), d, staging + k * d);
-        else std::fill_n(staging + k * d, d, uint16_t{0});
-      keys = reinterpret_cast<const char*>(staging), key_pitch = d * sizeof(uint16_t);
-    }
-    const int64_t b_row = queries * 2 * sizeof(uint16_t), b_tile = kRows * queries * 2;
-    _tile_zero(0);
-    for (int64_t step = 0; step < steps; ++step) {
-      _tile_loadd(1, keys + step * kDepth * sizeof(uint16_t), key_pitch);
-      _tile_loadd(2, parts + step * b_tile, b_row);
-      _tile_dpbf16ps(0, 1, 2);
-      if (!rounded_once) {
-        _tile_loadd(3, parts + (steps + step) * b_tile, b_row);
-        _tile_dpbf16ps(0, 1, 3);
-      }
-    }
-    _tile_stored(0, products, queries * sizeof(float));
-    const __m512i by_key = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(static_cast<int32_t>(queries)));
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-    for (int64_t g = 0; g < queries; ++g)
-      _mm512_mask_storeu_ps(scores + g * stride, mask, _mm512_i32gather_ps(by_key, products + g, sizeof(float)));
-  }
-};
 
 }  // namespace rope_kernels::tiles
 #endif
