@@ -69,7 +69,7 @@ def uses_matrix_tiles(kv_cache: torch.Tensor) -> bool:
     """A 16-bit cache's prefill takes AMX tiles where the CPU has them, as stock vLLM's attention
     does in bfloat16 (float32 stays on the float32 micro-kernel). The decode does not: its raw
     bfloat16 keys on tiles scored faster with the cache in L2 but read a real step's cache from
-    memory 5-19% slower than vdpbf16ps in vector registers (docs/design.md)."""
+    memory slower than vdpbf16ps in vector registers (docs/design.md)."""
     return kv_cache.dtype != torch.float32 and native.matrix_tiles_ready()
 
 
