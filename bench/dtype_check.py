@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/dtype_check.py                      # every provisioned model
     .venv/bin/python bench/dtype_check.py --models gemma-3-270m
+    .venv/bin/python bench/dtype_check.py --stock-at 16384      # stock vLLM's own bfloat16 drift past training
 
 For each model, dtype (float32, bfloat16) and engine (stock vLLM, the plugin with ``none``):
 the loss of 2k tokens of real text (mean negative log-likelihood of its tokens) and the greedy
@@ -104,31 +105,125 @@ def markdown(report: dict) -> str:
 
 def method_losses(float32_runs: Path, bfloat16_runs: Path, length: int) -> dict:
     """Each setting's loss at ``length`` in both dtypes, from bench/evaluate.py's results logs
-    (a float32 server's and a ``--dtype bfloat16`` one's: the same text and scored tokens)."""
+    (a float32 server's and a ``--dtype bfloat16`` one's), compared only on the same tokens: a
+    record's tokenizer split (records from before it was written down: the bare byte-level
+    regex) must be the same in both, or the two losses score different texts."""
     sys.path.insert(0, str(ROOT))
     from bench.evaluate import current_records
 
-    def losses(runs: Path) -> dict[str, float]:
-        return {r["label"]: r["nll"] for r in current_records(runs) if r["test"] == "loss" and r["length"] == length}
+    def losses(runs: Path) -> dict[tuple[str, str], float]:
+        return {(r["label"], r.get("tokenizer", "ByteLevel")): r["nll"] for r in current_records(runs)
+                if r["test"] == "loss" and r["length"] == length}
 
     float32, bfloat16 = losses(float32_runs), losses(bfloat16_runs)
-    rows = [{"setting": label, "float32": float32[label], "bfloat16": bfloat16[label],
-             "difference": bfloat16[label] - float32[label],
-             "within": abs(bfloat16[label] - float32[label]) <= METHOD_TOLERANCE}
-            for label in float32 if label in bfloat16]
-    return {"length": length, "tolerance": METHOD_TOLERANCE, "rows": rows, "all_within": all(r["within"] for r in rows)}
+    rows = [{"setting": label, "tokenizer": split, "float32": float32[label, split],
+             "bfloat16": bfloat16[label, split], "difference": bfloat16[label, split] - float32[label, split],
+             "within": abs(bfloat16[label, split] - float32[label, split]) <= METHOD_TOLERANCE}
+            for label, split in float32 if (label, split) in bfloat16]
+    unmatched = sorted({label for label, _ in bfloat16} - {row["setting"] for row in rows})
+    return {"length": length, "tolerance": METHOD_TOLERANCE, "float32_runs": float32_runs.name,
+            "bfloat16_runs": bfloat16_runs.name, "rows": rows, "unmatched": unmatched,
+            "all_within": bool(rows) and all(r["within"] for r in rows)}
+
+
+# --stock-at's engines: (engine, dtype, the plugin's attention precision), stock vLLM's own rounding beside
+# the plugin's two precisions on the same text
+REFERENCE_RUNS = [("stock", "float32", None), ("stock", "bfloat16", None),
+                  ("plugin", "bfloat16", "float32"), ("plugin", "bfloat16", "bfloat16")]
+
+
+def loss_text(tokenizer, length: int) -> tuple[list[int], int]:
+    """bench/evaluate.py's loss prompt at ``length`` (the corpus' tokens ending at the same token
+    for every length) and how many of its last tokens that loss scores."""
+    from bench.evaluate import LOSS_TEXT_END, SCORED_TOKENS
+    from rope_plugins.deploy.corpus import load_corpus
+
+    tokens = tokenizer(load_corpus("pydoc")[:400_000], add_special_tokens=False).input_ids
+    end = max(length, LOSS_TEXT_END)
+    return tokens[end - length: end], min(SCORED_TOKENS, length - 1)
+
+
+def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, precision: str | None) -> float:
+    """The mean NLL of the loss text's scored tokens under plain RoPE past training: stock vLLM
+    with its position limit raised to ``length``, or the plugin's ``none`` at ``precision``."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from rope_plugins.frontend.engine_args import engine_kwargs, extension_request
+    from rope_plugins.rules.settings import engine_defaults, parse_settings
+
+    ids, scored = loss_text(AutoTokenizer.from_pretrained(directory), length)
+    room = length + 64  # the prompt and the one token generated after it
+    common = dict(dtype=dtype, max_model_len=room, kv_cache_memory_bytes=1 << 30, seed=0,
+                  max_num_batched_tokens=max(length // 2, 8192))
+    if engine == "stock":
+        llm = LLM(model=str(directory), hf_overrides={"max_position_embeddings": room}, **common)
+    else:
+        # past training the plugin wants a default method; the request asks for none
+        llm = LLM(**engine_kwargs(str(directory), defaults={"method": "rerope"}, attention_precision=precision,
+                                  **common))
+    try:
+        prompt, params = {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+        if engine == "plugin":
+            defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
+            prompt, params = extension_request(prompt, params, parse_settings({"method": "none"}, defaults))
+        [scoring] = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    # prompt_logprobs[i] is the distribution before token i (the first is None)
+    chosen = [scoring.prompt_logprobs[i][ids[i]].logprob for i in range(len(ids) - scored, len(ids))]
+    return -sum(chosen) / len(chosen)
+
+
+def stock_reference(length: int) -> dict:
+    """Stock vLLM's loss past training in both dtypes (plain RoPE, all it serves there) beside the
+    plugin's ``none`` in bfloat16 at both attention precisions, on bench/evaluate.py's loss text:
+    how far bfloat16 moves stock vLLM's own loss, the yardstick for METHOD_TOLERANCE."""
+    from tqdm import tqdm
+
+    from bench.attention_kernels import machine
+    from rope_plugins.server.catalog import model_source
+    from rope_plugins.server.provision import provision
+
+    directory = provision(model_source("smollm2-135m"))
+    rows = [{"engine": engine, "dtype": dtype, "attention_precision": precision,
+             "loss": plain_rope_loss(directory, length, dtype, engine, precision)}
+            for engine, dtype, precision in tqdm(REFERENCE_RUNS, desc=f"plain RoPE at {length:,}", unit="engine")]
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+            "length": length, "tolerance": METHOD_TOLERANCE, "rows": against_stock_float32(rows)}
+
+
+def against_stock_float32(rows: list[dict]) -> list[dict]:
+    """Each row's loss less stock vLLM's float32 loss, and whether that is within METHOD_TOLERANCE."""
+    [reference] = [r["loss"] for r in rows if r["engine"] == "stock" and r["dtype"] == "float32"]
+    return [{**r, "difference": r["loss"] - reference, "within": abs(r["loss"] - reference) <= METHOD_TOLERANCE}
+            for r in rows]
+
+
+def stock_markdown(report: dict) -> str:
+    lines = [f"Measured {report['date'][:10]} on {report['machine']}: plain RoPE's loss at {report['length']:,} "
+             "tokens (bench/evaluate.py's loss text and scored tokens), stock vLLM in both dtypes and the "
+             f"plugin's `none` in bfloat16, each against stock vLLM in float32 (tolerance {report['tolerance']} "
+             "nats):", "", "| engine | dtype | attention precision | loss | difference | within |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['engine']} | {r['dtype']} | {r['attention_precision'] or '-'} | {r['loss']:.4f} | "
+              f"{r['difference']:+.4f} | {'yes' if r['within'] else '**no**'} |" for r in report["rows"]]
+    return "\n".join(lines)
 
 
 def methods_markdown(report: dict) -> str:
     precision = report.get("attention_precision", "float32")
     served = "bfloat16" if precision == "float32" else (
         f"bfloat16 with the attention's operands rounded once (--attention-precision {precision})")
+    splits = sorted({r.get("tokenizer", "ByteLevel") for r in report["rows"]})
     lines = [f"Each setting's loss at {report['length']:,} tokens (bench/evaluate.py's loss: its last 4,096 "
-             f"tokens of real text) served in float32 and in {served}; bfloat16 within {report['tolerance']} "
-             "nats of float32:", "", "| setting | float32 | bfloat16 | difference | within |",
-             "| --- | --- | --- | --- | --- |"]
+             f"tokens of real text, tokenizer split {' and '.join(splits)}) served in float32 and in {served}; "
+             f"bfloat16 within {report['tolerance']} nats of float32:", "",
+             "| setting | float32 | bfloat16 | difference | within |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['setting']} | {r['float32']:.4f} | {r['bfloat16']:.4f} | {r['difference']:+.4f} | "
               f"{'yes' if r['within'] else '**no**'} |" for r in report["rows"]]
+    if report.get("unmatched"):
+        lines += ["", "Not compared (no float32 loss on the same tokens): " + ", ".join(report["unmatched"]) + "."]
     return "\n".join(lines)
 
 
@@ -142,16 +237,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-precision", choices=["float32", "bfloat16"], default="float32",
                         help="with --methods-at: the bfloat16 server's (bfloat16: evaluate.py --attention-precision "
                              "bfloat16 --stem eval_bfloat16_rounded; writes dtype_methods_rounded.json)")
+    parser.add_argument("--float32-runs", type=Path, default=RESULTS / "eval_runs.jsonl",
+                        help="with --methods-at: the float32 results log (the same machine's and tokenizer's as the "
+                             "bfloat16 one: only losses on the same tokens are compared)")
+    parser.add_argument("--stock-at", type=int, metavar="LENGTH",
+                        help="plain RoPE's loss at LENGTH on bench/evaluate.py's loss text: stock vLLM in both dtypes "
+                             "and the plugin's none in bfloat16 at both attention precisions (writes "
+                             "bench/results/dtype_stock.json)")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.stock_at:
+        from rope_plugins.frontend.engine_args import compute_on_every_core
+
+        compute_on_every_core()
+        report = stock_reference(args.stock_at)
+        (RESULTS / "dtype_stock.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(stock_markdown(report))
+        return 0
     if args.methods_at:
         rounded = args.attention_precision == "bfloat16"
         stem = "eval_bfloat16_rounded" if rounded else "eval_bfloat16"
-        report = method_losses(RESULTS / "eval_runs.jsonl", RESULTS / f"{stem}_runs.jsonl", args.methods_at)
+        report = method_losses(args.float32_runs, RESULTS / f"{stem}_runs.jsonl", args.methods_at)
         report["attention_precision"] = args.attention_precision
         (RESULTS / f"dtype_methods{'_rounded' if rounded else ''}.json").write_text(json.dumps(report, indent=2) + "\n")
         print(methods_markdown(report))
         return 0 if report["all_within"] else 1
-    sys.path.insert(0, str(ROOT))
     from tqdm import tqdm
 
     from rope_plugins.frontend.engine_args import compute_on_every_core
