@@ -26,6 +26,7 @@ RENDERERS = {
     "speed_bfloat16_amx": ("speed", "markdown"),
     "speed_bfloat16_amx_rounded": ("speed", "markdown"),
     "tpot_bfloat16": ("tpot", "markdown"),
+    "tpot_bfloat16_rounded": ("tpot", "markdown"),
     "attention_kernels": ("attention_kernels", "markdown"),
     "attention_kernels_bfloat16": ("attention_kernels", "markdown"),
     "decode_bandwidth": ("decode_bandwidth", "markdown"),
