@@ -135,12 +135,10 @@ REFERENCE_RUNS = [("stock", "float32", None), ("stock", "bfloat16", None),
 def loss_text(tokenizer, length: int) -> tuple[list[int], int]:
     """bench/evaluate.py's loss prompt at ``length`` (the corpus' tokens ending at the same token
     for every length) and how many of its last tokens that loss scores."""
-    from bench.evaluate import LOSS_TEXT_END, SCORED_TOKENS
+    from bench.evaluate import loss_window
     from rope_plugins.deploy.corpus import load_corpus
 
-    tokens = tokenizer(load_corpus("pydoc")[:400_000], add_special_tokens=False).input_ids
-    end = max(length, LOSS_TEXT_END)
-    return tokens[end - length: end], min(SCORED_TOKENS, length - 1)
+    return loss_window(tokenizer(load_corpus("pydoc")[:400_000], add_special_tokens=False).input_ids, length)
 
 
 def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, precision: str | None) -> float:

@@ -247,6 +247,13 @@ def label(settings: dict) -> str:
     return settings["method"] + (f"({extra})" if extra else "")
 
 
+def loss_window(tokens: list[int], length: int) -> tuple[list[int], int]:
+    """The loss's prompt at ``length``: the corpus' ``tokens`` ending at the same token for every
+    length (LOSS_TEXT_END, or ``length`` past it), and how many of its last tokens are scored."""
+    end = max(length, LOSS_TEXT_END)
+    return tokens[end - length: end], min(SCORED_TOKENS, length - 1)
+
+
 class Evaluator:
     def __init__(self, base: str, corpus: str, runs: Path, api_key: str | None = None):
         import httpx
@@ -300,9 +307,9 @@ class Evaluator:
         return nll, accuracy, applied
 
     def loss(self, settings: dict, length: int) -> dict:
-        end = max(length, LOSS_TEXT_END)
-        nll, accuracy, applied = self.score(self.tokens[end - length: end], settings, min(SCORED_TOKENS, length - 1))
-        return {"nll": nll, "accuracy": accuracy, "text_end": end, "applied": applied}
+        prompt, scored = loss_window(self.tokens, length)
+        nll, accuracy, applied = self.score(prompt, settings, scored)
+        return {"nll": nll, "accuracy": accuracy, "text_end": max(length, LOSS_TEXT_END), "applied": applied}
 
     def repeat(self, settings: dict, length: int) -> dict:
         half = self.tokens[50_000: 50_000 + length // 2]  # another passage than the loss text

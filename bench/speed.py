@@ -112,6 +112,18 @@ class SideBySide:
         return cls(stock, LLM(**engine_kwargs(model, defaults={"method": "rerope"},
                                               attention_precision=attention_precision, **common)))
 
+    @classmethod
+    def for_tokens(cls, model: str, longest: int, dtype: str, attention_precision: str | None) -> "SideBySide":
+        """Both engines on every core (the same cores for stock and plugin), long enough for
+        ``longest`` tokens (rounded up to a power of two), with bench/speed.py's engine arguments."""
+        # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
+        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
+        from rope_plugins.frontend.engine_args import compute_on_every_core
+
+        compute_on_every_core()
+        return cls.start(model, attention_precision=attention_precision,
+                         **engine_arguments(1 << (longest - 1).bit_length(), dtype=dtype))
+
     def prompt(self, rng: random.Random, length: int) -> list[int]:
         return random_prompt(rng, self.vocab, length)
 
@@ -284,18 +296,12 @@ class SpeedRun:
     def start(cls, args: argparse.Namespace) -> SpeedRun:
         """The engines on the default model, long enough for every length and the decode tokens,
         on every core; the machine's memory bandwidth measured first, alone."""
-        # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
-        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
-        from rope_plugins.frontend.engine_args import compute_on_every_core
         from rope_plugins.server.provision import provision_default_model
 
         model = str(provision_default_model())
         bandwidth = memory_bandwidth()  # before the engines start: the machine alone
         longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
-        max_len = 1 << (longest - 1).bit_length()
-        compute_on_every_core()  # the same cores for stock and plugin
-        engines = SideBySide.start(model, attention_precision=args.attention_precision,
-                                   **engine_arguments(max_len, dtype=args.dtype))
+        engines = SideBySide.for_tokens(model, longest, args.dtype, args.attention_precision)
         return cls(args, engines, model, bandwidth)
 
     def measure_batch(self, rng: random.Random) -> None:

@@ -91,20 +91,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     out = args.out or speed.RESULTS / f"tpot_{args.dtype}.json"
-    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")  # a 32k prompt is one long step
-    from rope_plugins.frontend.engine_args import compute_on_every_core
     from rope_plugins.server.provision import provision_default_model
 
     model = str(provision_default_model())
-    compute_on_every_core()
-    longest = max(args.lengths) + args.decode_tokens + 64
-    engines = SideBySide.start(model, attention_precision=args.attention_precision,
-                               **speed.engine_arguments(1 << (longest - 1).bit_length(), dtype=args.dtype))
+    engines = SideBySide.for_tokens(model, max(args.lengths) + args.decode_tokens + 64, args.dtype,
+                                    args.attention_precision)
     engines.warm_up()
-    precision = "" if args.attention_precision == "float32" else f"; attention precision {args.attention_precision}"
-    head = {"machine": f"{speed.cpu_model()}, {os.cpu_count()} cores", "model": f"SmolLM2-135M-Instruct ({args.dtype}"
-            f"{precision})", "dtype": args.dtype, "attention_precision": args.attention_precision,
-            "reps": args.reps, "decode_tokens": args.decode_tokens, "lengths": args.lengths}
+    head = {"machine": f"{speed.cpu_model()}, {os.cpu_count()} cores",
+            "model": f"SmolLM2-135M-Instruct ({speed.model_dtype(args)})", "dtype": args.dtype,
+            "attention_precision": args.attention_precision, "reps": args.reps, "decode_tokens": args.decode_tokens,
+            "lengths": args.lengths}
     print(markdown(measure(engines, args.lengths, args.reps, args.decode_tokens, out, head)))
 
 
