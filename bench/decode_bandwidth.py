@@ -35,19 +35,23 @@ from pathlib import Path
 
 import torch
 
+from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 RESIDENT_BLOCKS = 4  # 4 blocks x 3 kv heads x 128 rows: 384 KB in bfloat16, in one core's L2
 TARGET = 0.80  # the issue's share of the read bandwidth for the KV-cache part of a step
 
 
-def layer_runs(dtype: torch.dtype, layers: int, keys: int) -> dict[str, list]:
-    """Per kernel, one call per layer (each on its own cache), plus ``read``: each layer's bytes summed."""
+def layer_runs(dtype: torch.dtype, layers: int, keys: int, rounded_once: bool = False) -> dict[str, list]:
+    """Per kernel, one call per layer (each on its own cache), plus ``read``: each layer's bytes summed.
+    ``rounded_once``: the plugin's raw bfloat16 keys scored against its queries rounded once
+    (attention_precision bfloat16) rather than their two parts."""
     from bench.attention_kernels import HEAD_DIM, KV_HEADS, QUERY_HEADS, REROPE_WINDOW, plugin_decode, vllm_decode
 
     query = torch.randn(1, QUERY_HEADS, HEAD_DIM).to(dtype)
-    kernels = {"vllm": vllm_decode, "plugin_rerope": plugin_decode(REROPE_WINDOW, False),
-               "plugin_leaky": plugin_decode(REROPE_WINDOW, True)}
+    kernels = {"vllm": vllm_decode, "plugin_rerope": plugin_decode(REROPE_WINDOW, False, rounded_once=rounded_once),
+               "plugin_leaky": plugin_decode(REROPE_WINDOW, True, rounded_once=rounded_once)}
     runs: dict[str, list] = {name: [] for name in ["read", *kernels]}
     for _ in range(layers):
         key, value = torch.randn(2, 1, keys, KV_HEADS, HEAD_DIM).to(dtype)
@@ -58,17 +62,18 @@ def layer_runs(dtype: torch.dtype, layers: int, keys: int) -> dict[str, list]:
     key, value = torch.randn(2, 1, keys, KV_HEADS, HEAD_DIM).to(dtype)
     for window, far_rule, name in ((REROPE_WINDOW, False, "plugin_rerope_in_l2"),
                                    (REROPE_WINDOW, True, "plugin_leaky_in_l2")):
-        resident = plugin_decode(window, far_rule, resident_blocks=RESIDENT_BLOCKS)(query, key, value)
+        resident = plugin_decode(window, far_rule, resident_blocks=RESIDENT_BLOCKS,
+                                 rounded_once=rounded_once)(query, key, value)
         runs[name] = [resident] * layers
     return runs
 
 
-def measure(dtype: torch.dtype, layers: int, keys: int, reps: int) -> dict:
+def measure(dtype: torch.dtype, layers: int, keys: int, reps: int, rounded_once: bool = False) -> dict:
     """Seconds per layer of each run, ``reps`` interleaved repetitions, and each one's share of
     the read speed (read time over its time, per repetition)."""
     from bench.attention_kernels import HEAD_DIM, KV_HEADS
 
-    runs = layer_runs(dtype, layers, keys)
+    runs = layer_runs(dtype, layers, keys, rounded_once)
     for calls in runs.values():  # first calls (allocation, page faults) untimed
         for call in calls:
             call()
@@ -91,7 +96,8 @@ def measure(dtype: torch.dtype, layers: int, keys: int, reps: int) -> dict:
 def markdown(report: dict) -> str:
     """decode_bandwidth.json as bench/README.md shows it."""
     lines = [f"Measured {report['date'][:10]} on {report['machine']} ({report['layers']} layers of "
-             f"{report['keys']:,} cached tokens, SmolLM2's shapes; medians of {report['reps']} interleaved "
+             f"{report['keys']:,} cached tokens, SmolLM2's shapes; bfloat16's attention precision "
+             f"{report.get('attention_precision', 'float32')}; medians of {report['reps']} interleaved "
              "repetitions; share: the read's time over the kernel's, per repetition):", "",
              "| dtype | run | ms per layer | GB/s of cache | share of the read speed |",
              "| --- | --- | --- | --- | --- |"]
@@ -117,6 +123,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS, default=DEFAULT_ATTENTION_PRECISION,
+                        help="bfloat16's raw keys against queries rounded once (bfloat16) or in two parts (float32)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_bandwidth.json")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -125,9 +133,10 @@ def main() -> int:
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores",
               "threads": torch.get_num_threads(), "keys": args.keys, "layers": args.layers, "reps": args.reps,
-              "target": TARGET, "dtypes": {}}
+              "target": TARGET, "attention_precision": args.attention_precision, "dtypes": {}}
     for dtype in args.dtypes:
-        report["dtypes"][dtype] = measure(getattr(torch, dtype), args.layers, args.keys, args.reps)
+        report["dtypes"][dtype] = measure(getattr(torch, dtype), args.layers, args.keys, args.reps,
+                                          rounded_once=args.attention_precision == "bfloat16")
         print(f"{dtype}: " + ", ".join(f"{name} {took * 1e3:.3f} ms"
                                        for name, took in report["dtypes"][dtype]["seconds_per_layer"].items()),
               flush=True)

@@ -23,6 +23,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DTYPES = ("float32", "bfloat16")
@@ -211,8 +213,9 @@ def stock_markdown(report: dict) -> str:
 
 def methods_markdown(report: dict) -> str:
     precision = report.get("attention_precision", "float32")
-    served = "bfloat16" if precision == "float32" else (
-        f"bfloat16 with the attention's operands rounded once (--attention-precision {precision})")
+    served = "bfloat16 with the attention's operands " + (
+        "as two bfloat16 parts (--attention-precision float32)" if precision == "float32"
+        else f"rounded once (--attention-precision {precision})")
     splits = sorted({r.get("tokenizer", "ByteLevel") for r in report["rows"]})
     lines = [f"Each setting's loss at {report['length']:,} tokens (bench/evaluate.py's loss: its last 4,096 "
              f"tokens of real text, tokenizer split {' and '.join(splits)}) served in float32 and in {served}; "
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods-at", type=int, metavar="LENGTH",
                         help="compare the results logs of bench/evaluate.py and evaluate.py --dtype bfloat16 at "
                              "LENGTH instead (writes bench/results/dtype_methods.json)")
-    parser.add_argument("--attention-precision", choices=["float32", "bfloat16"], default="float32",
+    parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS, default=DEFAULT_ATTENTION_PRECISION,
                         help="with --methods-at: the bfloat16 server's (bfloat16: evaluate.py --attention-precision "
                              "bfloat16 --stem eval_bfloat16_rounded; writes dtype_methods_rounded.json)")
     parser.add_argument("--float32-runs", type=Path, default=RESULTS / "eval_runs.jsonl",

@@ -28,6 +28,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION
+
 RESULTS = Path(__file__).parent / "results"
 KV_BYTES = 3 << 30
 CONFIGS = ["stock", "rerope", "leaky_rerope", "ntk_mixed"]
@@ -233,9 +235,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
     parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
                         help="both engines' model dtype (weights, activations and KV cache)")
-    parser.add_argument("--attention-precision", choices=["float32", "bfloat16"], default="float32",
-                        help="the plugin's attention on AMX tiles (a 16-bit model on an Intel Xeon): each operand "
-                             "to 2^-16 (float32) or rounded once, as stock vLLM's (bfloat16)")
+    parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS, default=DEFAULT_ATTENTION_PRECISION,
+                        help="a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw "
+                             "keys): each operand rounded once, as stock vLLM's (bfloat16, the server's default) "
+                             "or to 2^-16 (float32)")
     parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
     parser.add_argument("--show-rep", type=int, metavar="REP",
                         help="print the table of one repetition (1-based) from --out and stop")
@@ -268,8 +271,8 @@ def main() -> None:
 
 
 def model_dtype(args: argparse.Namespace) -> str:
-    """The model's dtype as the report names it, with the plugin's attention precision where it is not the default."""
-    if args.attention_precision == "float32":
+    """The model's dtype as the report names it, with the plugin's attention precision where it applies (16 bits)."""
+    if args.dtype == "float32":
         return args.dtype
     return f"{args.dtype}; the plugin's attention precision {args.attention_precision}"
 

@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="serve per-request settings (with prefix caching on, only the default is served)")
     parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS,
                         help="a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw keys "
-                             "by AVX512_BF16): float32 (default) keeps each operand to 2^-16, bfloat16 rounds it "
-                             "once, as stock vLLM does (faster)")
+                             "by AVX512_BF16): bfloat16 (default) rounds each operand once, as stock vLLM does; "
+                             "float32 keeps it to 2^-16 (slower on AMX)")
     args = vars(parser.parse_args(argv))
     defaults = {name: args[name] for name in ("method", *DEFAULT_NUMBERS, "log_n") if args[name] is not None}
     try:

@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from rope_plugins.attention.planner import KernelPlan, StepPlan, StepPlanner, kernel_plan
 from rope_plugins.ops import cpu
-from rope_plugins.plugin import ATTENTION_PRECISIONS, BACKEND_NAME, OPS_KEY, PRECISION_KEY
+from rope_plugins.plugin import ATTENTION_PRECISIONS, BACKEND_NAME, DEFAULT_ATTENTION_PRECISION, OPS_KEY, PRECISION_KEY
 from rope_plugins.worker.requests import step_tables
 from rope_plugins.worker.row_tables import RowTables
 
@@ -35,10 +35,12 @@ def runs_triton(vllm_config: VllmConfig, device: torch.device) -> bool:
 
 
 def rounds_operands_once(vllm_config: VllmConfig | None) -> bool:
-    """Whether the CPU attention's AMX tiles take each operand rounded once to bfloat16 (the
-    engine's ``PRECISION_KEY`` is ``"bfloat16"``) rather than as two bfloat16 parts (``"float32"``,
-    the default; also without an engine, as the tests build the impl). Raises ValueError on any other value."""
-    precision = ((vllm_config.additional_config if vllm_config else None) or {}).get(PRECISION_KEY, "float32")
+    """Whether the CPU attention's bfloat16 dot products (AMX tiles; the decode's raw keys) take each
+    operand rounded once to bfloat16 (the engine's ``PRECISION_KEY`` is ``"bfloat16"``, the
+    default; also without an engine, as the tests build the impl) rather than as two bfloat16 parts
+    (``"float32"``). Raises ValueError on any other value."""
+    config = (vllm_config.additional_config if vllm_config else None) or {}
+    precision = config.get(PRECISION_KEY, DEFAULT_ATTENTION_PRECISION)
     if precision not in ATTENTION_PRECISIONS:
         raise ValueError(f"additional_config {PRECISION_KEY} must be one of {ATTENTION_PRECISIONS}, not {precision!r}")
     return precision == "bfloat16"

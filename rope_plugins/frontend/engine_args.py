@@ -188,8 +188,8 @@ def plugin_engine_config(model: str, *, defaults: dict[str, Any] | ExtensionSett
 
     ``attention_precision``: the arithmetic of the CPU attention's bfloat16 dot products (AMX
     tiles; the decode's raw keys by AVX512_BF16), where a bfloat16 cache takes them:
-    ``"float32"`` (the default) keeps each operand to 2^-16 as two bfloat16 parts,
-    ``"bfloat16"`` rounds it once, as stock vLLM's own CPU attention does.
+    ``"bfloat16"`` (None: the default) rounds each operand once, as stock vLLM's own CPU
+    attention does; ``"float32"`` keeps it to 2^-16 as two bfloat16 parts.
     """
     if attention_ops not in (None, *ATTENTION_OPS):
         raise ValueError(f"attention_ops must be one of {ATTENTION_OPS}, not {attention_ops!r}")

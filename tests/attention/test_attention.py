@@ -121,7 +121,7 @@ def test_16_bit_step_matches_oracle_to_one_rounding(use_kernel, dtype):
     step = paged_step(ROWS, seed=1, head=D, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK, dtype=dtype)
     meta = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
     impl = RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "auto")
-    impl.use_kernel = use_kernel
+    impl.use_kernel, impl.rounded_once = use_kernel, False  # float32-grade operands: the output's is the one rounding
     output = torch.empty_like(step.query)
     impl.forward(None, step.query, step.key, step.value, step.cache, meta, output)
     assert output.dtype == dtype
@@ -211,8 +211,8 @@ def test_the_attention_precision_comes_from_the_engine_config(monkeypatch):
         with set_current_vllm_config(VllmConfig(additional_config=additional_config)):
             return RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "auto")
 
-    assert impl_under({PRECISION_KEY: "bfloat16"}).rounded_once
-    assert not impl_under({PRECISION_KEY: "float32"}).rounded_once and not impl_under({}).rounded_once
+    assert impl_under({PRECISION_KEY: "bfloat16"}).rounded_once and impl_under({}).rounded_once  # the default
+    assert not impl_under({PRECISION_KEY: "float32"}).rounded_once
     with pytest.raises(ValueError, match=PRECISION_KEY):
         impl_under({PRECISION_KEY: "fp8"})
 

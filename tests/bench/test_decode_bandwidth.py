@@ -31,6 +31,9 @@ def test_the_table_says_whether_the_target_is_met():
     assert "| bfloat16 | plugin_rerope | 1200.000 | 0.8 | 83% |" in table
     assert "bfloat16: the plugin's decode reads the cache at 83% (ReRoPE) and 80% (Leaky ReRoPE)" in table
     assert "(target 80%: met)" in table and "takes 0.50x and 0.60x the read's time" in table
+    assert "bfloat16's attention precision float32" in table  # a report from before the field: two parts
+    report["attention_precision"] = "bfloat16"
+    assert "bfloat16's attention precision bfloat16" in decode_bandwidth.markdown(report)
     report["dtypes"]["bfloat16"] = dtype_result(1.2, 1.3)
     assert "bfloat16: the plugin's decode reads the cache at 83% (ReRoPE) and 77% (Leaky ReRoPE) of the read speed " \
            "(target 80%: not met)" in decode_bandwidth.markdown(report)
