@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION
+from rope_plugins.plugin import precision_rounds_once
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -118,25 +118,25 @@ def markdown(report: dict) -> str:
 
 
 def main() -> int:
+    from bench.speed import add_attention_precision, cpu_model
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=32768)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS, default=DEFAULT_ATTENTION_PRECISION,
-                        help="bfloat16's raw keys against queries rounded once (bfloat16) or in two parts (float32)")
+    add_attention_precision(parser, "bfloat16's raw keys against queries rounded once (bfloat16) or in two parts "
+                                    "(float32)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_bandwidth.json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    from bench.speed import cpu_model
-
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores",
               "threads": torch.get_num_threads(), "keys": args.keys, "layers": args.layers, "reps": args.reps,
               "target": TARGET, "attention_precision": args.attention_precision, "dtypes": {}}
     for dtype in args.dtypes:
         report["dtypes"][dtype] = measure(getattr(torch, dtype), args.layers, args.keys, args.reps,
-                                          rounded_once=args.attention_precision == "bfloat16")
+                                          rounded_once=precision_rounds_once(args.attention_precision))
         print(f"{dtype}: " + ", ".join(f"{name} {took * 1e3:.3f} ms"
                                        for name, took in report["dtypes"][dtype]["seconds_per_layer"].items()),
               flush=True)

@@ -23,7 +23,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION
+from rope_plugins.plugin import precision_rounds_once
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -229,15 +229,17 @@ def methods_markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.speed import add_attention_precision
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(QUESTIONS))
     parser.add_argument("--out", type=Path, default=RESULTS / "dtype.json")
     parser.add_argument("--methods-at", type=int, metavar="LENGTH",
                         help="compare the results logs of bench/evaluate.py and evaluate.py --dtype bfloat16 at "
                              "LENGTH instead (writes bench/results/dtype_methods.json)")
-    parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS, default=DEFAULT_ATTENTION_PRECISION,
-                        help="with --methods-at: the bfloat16 server's (bfloat16: evaluate.py --attention-precision "
-                             "bfloat16 --stem eval_bfloat16_rounded; writes dtype_methods_rounded.json)")
+    add_attention_precision(parser, "with --methods-at: the bfloat16 server's (bfloat16: evaluate.py "
+                                    "--attention-precision bfloat16 --stem eval_bfloat16_rounded; writes "
+                                    "dtype_methods_rounded.json)")
     parser.add_argument("--float32-runs", type=Path, default=RESULTS / "eval_runs.jsonl",
                         help="with --methods-at: the float32 results log (the same machine's and tokenizer's as the "
                              "bfloat16 one: only losses on the same tokens are compared)")
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         print(stock_markdown(report))
         return 0
     if args.methods_at:
-        rounded = args.attention_precision == "bfloat16"
+        rounded = precision_rounds_once(args.attention_precision)
         stem = "eval_bfloat16_rounded" if rounded else "eval_bfloat16"
         report = method_losses(args.float32_runs, RESULTS / f"{stem}_runs.jsonl", args.methods_at)
         report["attention_precision"] = args.attention_precision

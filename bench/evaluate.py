@@ -48,7 +48,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION
 from rope_plugins.rules.settings import AUTO, ExtensionSettings, length_factor, positions_used
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -743,6 +742,8 @@ def settings_argument(text: str) -> dict:
 
 
 def parse_args() -> argparse.Namespace:
+    from bench.speed import add_attention_precision
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="9k tokens (one length past training), methods without log_n, loss + accuracy only")
@@ -763,8 +764,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--url", help="evaluate a running server instead of starting one")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the started server's model dtype (not float32: results in eval[_quick]_<dtype>*)")
-    parser.add_argument("--attention-precision", default=DEFAULT_ATTENTION_PRECISION, choices=ATTENTION_PRECISIONS,
-                        help="the started server's --attention-precision (a bfloat16 model on AMX tiles)")
+    add_attention_precision(parser, "the started server's --attention-precision (a bfloat16 model on AMX tiles)")
     parser.add_argument("--runs", type=Path, help="results log (default bench/results/<stem>_runs.jsonl)")
     parser.add_argument("--stem", help="the results files' name (default eval[_quick][_<dtype>]): <stem>.json, "
                                        "<stem>_runs.jsonl, its bench/README.md block")

@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench import speed  # noqa: E402
 from bench.speed import CONFIGS, TARGETS, SideBySide, kilo, rotated  # noqa: E402
-from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION  # noqa: E402
 
 
 def measure(engines: SideBySide, lengths: list[int], reps: int, decode_tokens: int, out: Path, head: dict) -> dict:
@@ -88,7 +87,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=list(speed.DTYPE_BYTES), default="bfloat16")
-    parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS, default=DEFAULT_ATTENTION_PRECISION)
+    speed.add_attention_precision(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     out = args.out or speed.RESULTS / f"tpot_{args.dtype}.json"

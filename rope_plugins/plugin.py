@@ -19,6 +19,13 @@ ATTENTION_OPS = ("cpu", "triton")
 PRECISION_KEY = "rope_extend_attention_precision"
 ATTENTION_PRECISIONS = ("float32", "bfloat16")
 DEFAULT_ATTENTION_PRECISION = "bfloat16"
+
+
+def precision_rounds_once(precision: str) -> bool:
+    """Whether an attention precision (one of ATTENTION_PRECISIONS) rounds each bfloat16 operand once."""
+    return precision == "bfloat16"
+
+
 # The stock architectures served with rotation moved into the plugin's attention.
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 

@@ -24,7 +24,14 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from rope_plugins.attention.planner import KernelPlan, StepPlan, StepPlanner, kernel_plan
 from rope_plugins.ops import cpu
-from rope_plugins.plugin import ATTENTION_PRECISIONS, BACKEND_NAME, DEFAULT_ATTENTION_PRECISION, OPS_KEY, PRECISION_KEY
+from rope_plugins.plugin import (
+    ATTENTION_PRECISIONS,
+    BACKEND_NAME,
+    DEFAULT_ATTENTION_PRECISION,
+    OPS_KEY,
+    PRECISION_KEY,
+    precision_rounds_once,
+)
 from rope_plugins.worker.requests import step_tables
 from rope_plugins.worker.row_tables import RowTables
 
@@ -43,7 +50,7 @@ def rounds_operands_once(vllm_config: VllmConfig | None) -> bool:
     precision = config.get(PRECISION_KEY, DEFAULT_ATTENTION_PRECISION)
     if precision not in ATTENTION_PRECISIONS:
         raise ValueError(f"additional_config {PRECISION_KEY} must be one of {ATTENTION_PRECISIONS}, not {precision!r}")
-    return precision == "bfloat16"
+    return precision_rounds_once(precision)
 
 
 class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan | KernelPlan]):
