@@ -214,8 +214,8 @@ def stock_markdown(report: dict) -> str:
 def methods_markdown(report: dict) -> str:
     precision = report.get("attention_precision", "float32")
     served = "bfloat16 with the attention's operands " + (
-        "as two bfloat16 parts (--attention-precision float32)" if precision == "float32"
-        else f"rounded once (--attention-precision {precision})")
+        f"rounded once (--attention-precision {precision})" if precision_rounds_once(precision)
+        else "as two bfloat16 parts (--attention-precision float32)")
     splits = sorted({r.get("tokenizer", "ByteLevel") for r in report["rows"]})
     lines = [f"Each setting's loss at {report['length']:,} tokens (bench/evaluate.py's loss: its last 4,096 "
              f"tokens of real text, tokenizer split {' and '.join(splits)}) served in float32 and in {served}; "
