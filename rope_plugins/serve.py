@@ -8,7 +8,9 @@ own engine's do):
 - ``--hf-overrides``: the plugin's architecture, the default settings, ``max_position_embeddings``;
 - ``--logits-processors rope_plugins.serve:SettingsTracker`` (``SettingsAdmission`` on the V2
   runner): keeps each request's settings for the attention and checks them at admission;
-- ``--middleware rope_plugins.serve.EngineSettings``: hands that check the engine's settings.
+- ``--middleware rope_plugins.serve.EngineSettings``: hands that check the engine's settings;
+- ``--worker-cls`` (vLLM's CPU V1 runner): a seeded request survives chunked prefill
+  (:mod:`rope_plugins.worker.seeded`).
 
 A request names its settings in ``vllm_xargs`` (``SamplingParams.extra_args``), one flat key per
 field: ``{"context_extension.method": "rerope", "context_extension.window": 2048}``.
@@ -46,7 +48,7 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from rope_plugins.frontend.engine_args import plugin_engine_config, settings_processor
+from rope_plugins.frontend.engine_args import plugin_engine_config, seeded_worker_class, settings_processor
 from rope_plugins.plugin import ATTENTION_PRECISIONS
 from rope_plugins.rules.settings import (
     AUTO,
@@ -173,6 +175,8 @@ def serve_command(model: str, *, defaults: dict[str, Any] | None = None, max_mod
               ("--hf-overrides", json.dumps(config["hf_overrides"], separators=(",", ":"))),
               ("--logits-processors", f"{MODULE}:{processor.__name__}"),
               ("--middleware", f"{MODULE}.{EngineSettings.__name__}")]
+    if (worker := seeded_worker_class()) is not None:
+        groups.append(("--worker-cls", worker))
     if config["additional_config"]:
         groups.append(("--additional-config", json.dumps(config["additional_config"], separators=(",", ":"))))
     if not prefix_caching:

@@ -78,8 +78,7 @@ else
         fi
     fi
     echo "install: building the C++ decode kernel (cached under ~/.cache/torch_extensions)"
-    # torch builds it with ninja, which vLLM installs into the venv: put that on PATH, for a
-    # machine (or an image) with no ninja of its own and the venv not activated.
-    PATH="$(cd "$VENV" && pwd)/bin:$PATH" "$VENV/bin/python" -m rope_plugins.ops.native
+    # with the venv's own ninja, as the engine will (rope_plugins.ops.native.builder_on_path): one build per install
+    "$VENV/bin/python" -m rope_plugins.ops.native
 fi
 echo "$want" > "$stamp"

@@ -241,7 +241,22 @@ def engine_kwargs(model: str, *, defaults: dict[str, Any] | ExtensionSettings | 
     config["additional_config"][SALTED_KEY] = True
     processors = [settings_processor(RequestSettingsTracker, RequestSettingsAdmission),
                   *(engine.pop("logits_processors", None) or [])]
+    if (worker := seeded_worker_class()) is not None:
+        engine.setdefault("worker_cls", worker)
     return dict(model=model, **config, logits_processors=processors, **engine)
+
+
+# vLLM's CPU worker with a runner whose seeded requests survive chunked prefill (rope_plugins.worker.seeded)
+SEEDED_CPU_WORKER = "rope_plugins.worker.seeded.SeededCPUWorker"
+
+
+def seeded_worker_class() -> str | None:
+    """The worker class the engine needs for seeded requests: on the CPU's V1 runner, whose stock
+    worker dies on a seeded prompt prefilled in chunks (docs/upstream_cpu_seed.md); None elsewhere
+    (CUDA generators rewind as vLLM expects, and the V2 runner keeps no generator per request)."""
+    from vllm.platforms import current_platform
+
+    return SEEDED_CPU_WORKER if current_platform.is_cpu() and not v2_model_runner() else None
 
 
 def salted_prompt(prompt: dict[str, Any], settings: ExtensionSettings) -> dict[str, Any]:

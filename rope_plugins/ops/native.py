@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,12 +61,35 @@ def kernels():
     name = f"rope_plugins_kernels_{MARCH.replace('-', '_')}"
     directory = build_directory(name)
     try:
-        with build_lock(directory):
+        with build_lock(directory), builder_on_path():
+            library = directory / f"{name}.so"
+            stale = not library.exists() or library.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES)
+            if stale:
+                logger.info("rope_plugins: compiling the C++ kernels into %s (once per install; a few minutes)",
+                            directory)
+            began = time.perf_counter()
             module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                           build_directory=str(directory), verbose=False)
+            if stale:
+                logger.info("rope_plugins: C++ kernels compiled in %.0f s", time.perf_counter() - began)
     except Exception as error:
         raise KernelBuildError(f"the C++ decode kernel failed to build with {compiler()}: {error}") from error
     return module
+
+
+@contextlib.contextmanager
+def builder_on_path():
+    """PATH with this interpreter's own folder first while the kernels load, so that every
+    process (the install, the engine, a test) runs the same ``ninja``: the one vLLM installs
+    beside Python. ninja records each build's commands in its own log format; a second ninja
+    of another version (a system one, on an engine's plain PATH) finds that log foreign and
+    compiles everything again."""
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), *([previous] if previous else [])])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
 
 
 def build_directory(name: str) -> Path:

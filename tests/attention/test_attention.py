@@ -303,6 +303,27 @@ def test_kernels_load_past_a_lock_left_by_a_killed_build():
     assert not leftover.exists()
 
 
+@needs_compiler
+def test_a_fresh_process_on_the_engines_plain_path_loads_the_kernels_without_a_build(tmp_path):
+    """The install builds the kernels; the engine, started without the venv on its PATH (``make
+    run``), must load them as they are. A ninja of another version first on that PATH (a system
+    one; here a stand-in that only says it ran) would find the build log foreign and compile
+    everything again, for minutes, before the engine is up."""
+    native.kernels()
+    name = f"rope_plugins_kernels_{native.MARCH.replace('-', '_')}"
+    directory = native.build_directory(name)
+    built = [(directory / f"{name}.so").stat().st_mtime_ns, (directory / ".ninja_log").read_text()]
+    other_ninja = tmp_path / "ninja"
+    other_ninja.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\nexit 1\n")
+    other_ninja.chmod(0o755)
+    env = {**os.environ, "PATH": os.pathsep.join([str(tmp_path), "/usr/local/bin", "/usr/bin", "/bin"])}
+    load = "from rope_plugins.ops import native; print(native.kernels().__file__)"
+    loaded = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=600)
+    assert loaded.returncode == 0 and name in loaded.stdout, loaded.stderr[-2000:]
+    assert [(directory / f"{name}.so").stat().st_mtime_ns, (directory / ".ninja_log").read_text()] == built
+    assert not (tmp_path / "ran").exists()
+
+
 def test_merge_of_parts_equals_one_softmax_and_survives_a_query_with_no_keys():
     generator = torch.Generator().manual_seed(5)
     scores, values = torch.randn(3, 10, generator=generator), torch.randn(10, 4, generator=generator)
