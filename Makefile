@@ -8,9 +8,10 @@ PY := .venv/bin/python
 install:
 	@./scripts/install.sh
 
-# the server on 127.0.0.1:8000 with the embedded default model; `make run ARGS="--help"` for flags
+# the server on 127.0.0.1:8000 with the embedded default model, started again if its engine dies
+# (server/supervisor.py); `make run ARGS="--help"` for flags
 run: install
-	$(PY) -m rope_plugins.server $(ARGS)
+	$(PY) -m rope_plugins.server.supervisor $(ARGS)
 
 base-bound: install
 	$(PY) bench/base_bound.py

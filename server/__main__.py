@@ -3,9 +3,12 @@ then serve on 127.0.0.1:8000."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from rope_plugins.frontend.engine_args import compute_on_every_core
 from rope_plugins.server.config import parse_config
@@ -50,10 +53,21 @@ def main(argv: list[str] | None = None) -> int:
                                            http=read_deadline_protocol(config.read_timeout)))
     app.state.stop_serving = lambda: setattr(server, "should_exit", True)
     server.run()
-    if app.state.service.state == "failed":
-        logger.error("exiting with status %d: the engine failed (%s)", EXIT_ENGINE_FAILED, app.state.service.failure)
+    service = app.state.service
+    if service.state == "failed":
+        logger.error("exiting with status %d: the engine failed (%s)", EXIT_ENGINE_FAILED, service.failure)
+        write_exit_report(f"the engine failed: {service.failure}", served=service.openai is not None)
         return EXIT_ENGINE_FAILED
     return 0
+
+
+def write_exit_report(reason: str, served: bool) -> None:
+    """Why this process exits, for the supervisor that started it (server/supervisor.py), if one did."""
+    from rope_plugins.server.supervisor import EXIT_REPORT_ENV
+
+    if path := os.environ.get(EXIT_REPORT_ENV):
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"reason": reason[:300], "served": served}))
 
 
 if __name__ == "__main__":

@@ -300,6 +300,22 @@ class CompletionRequest(SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
+def function_tool(kind: str) -> str:
+    if kind != "function":
+        raise ValueError(f"{kind!r} is a built-in tool, which this server does not run (no web search, file search, "
+                         "code interpreter or MCP server here): declare it as a function tool "
+                         "({\"type\": \"function\", \"name\": ..., \"parameters\": ...}) and run it yourself")
+    return kind
+
+
+class ResponsesTool(BaseModel):
+    """A tool the Responses API may call: a function, whose fields vLLM's model checks."""
+
+    model_config = ConfigDict(**REQUEST_CONFIG, extra="allow")
+
+    type: Annotated[str, AfterValidator(function_tool)]
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``: what ``client.responses.create`` sends for text and function
     tools. Stored responses are not kept here, so ``previous_response_id`` and ``background``
@@ -320,7 +336,7 @@ class ResponsesRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
-    tools: list[OpenAIObject] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[ResponsesTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | OpenAIObject | None = None
     parallel_tool_calls: bool | None = None
     text: OpenAIObject | None = None  # its format: text, json_object or json_schema

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from vllm import envs as vllm_envs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -29,6 +30,7 @@ from rope_plugins.server.checks import Bounds
 from rope_plugins.server.config import AUTO, ServerConfig, served_dtype
 from rope_plugins.server.errors import bad_request, engine_unavailable, printable
 from rope_plugins.server.extension import SETTINGS_KEY, ServerDefaults, engine_default_fields
+from rope_plugins.server.grammars import GrammarCheck
 from rope_plugins.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,7 @@ class EngineService:
         self.state = "starting"  # starting, ready, failed, stopping
         self.failure: str | None = None
         self.openai = None  # vLLM's serving classes around the engine (server.openai_serving)
+        self.grammars: GrammarCheck | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -147,7 +150,8 @@ class EngineService:
             self.model_path = model
             self.model_name = self.model_name or Path(model).name
             began = time.perf_counter()
-            logger.info("starting the engine for %s (max context %d tokens)", model, self.config.max_model_len)
+            logger.info("starting the engine for %s (max context %d tokens; a first start compiles the model, "
+                        "minutes on a small CPU, and later starts reuse it)", model, self.config.max_model_len)
             self.engine_default = default_settings(model, engine_default_fields(self.config))
             self.defaults = ServerDefaults.of(self.config, self.engine_default)
             args = self.engine_args(model)
@@ -159,6 +163,8 @@ class EngineService:
                                  longest_token_chars=max(len(token) for token in self.tokenizer.get_vocab()),
                                  max_logprob_entries=self.config.max_logprob_entries)
             self.rotary = checkpoint_rotary(self.engine.vllm_config.model_config.hf_config)
+            self.grammars = GrammarCheck(self.engine.vllm_config, self.engine.tokenizer, self.bounds.vocabulary,
+                                         bound=float(vllm_envs.VLLM_REGEX_COMPILATION_TIMEOUT_S))
             self.openai = await build_openai_serving(self, self.tool_parser())
             self.state = "ready"
             self.log_ready(time.perf_counter() - began)
@@ -216,12 +222,14 @@ class EngineService:
             raise bad_request(f"messages: the chat template refused them: {error}", param="messages") from None
         return self.encode_text(text, add_special_tokens=False)
 
-    def verify_sampling(self, request: Any, max_tokens: int) -> None:
-        """vLLM's own checks of a request's sampling (its grammar compiled, its token ids in the
-        vocabulary), as the engine will run them on admission: here they run before a stream
-        starts, so that a refusal is a 400 rather than an event after the 200 (raises vLLM's
-        VLLMValidationError)."""
+    async def verify_sampling(self, request: Any, max_tokens: int) -> None:
+        """vLLM's own checks of a request's sampling (its grammar's syntax, its token ids in the
+        vocabulary), as the engine will run them on admission, then its grammar compiled and
+        tried as the engine's first step will (:mod:`rope_plugins.server.grammars`): here they run
+        before a stream starts, so that a refusal is a 400 rather than an event after the 200
+        (raises vLLM's VLLMValidationError)."""
         config = self.engine.vllm_config
         params = request.to_sampling_params(max_tokens, {})
         params.verify(config.model_config, config.speculative_config, config.structured_outputs_config,
                       self.engine.tokenizer)
+        await self.grammars.check(params)

@@ -21,14 +21,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
+from vllm import envs as vllm_envs
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.exceptions import VLLMValidationError
+from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rope_plugins.server.admission import Capacity
 from rope_plugins.server.errors import (
     APIError,
     ClientDisconnected,
+    bad_request,
     engine_refusal,
     engine_unavailable,
     internal_error_body,
@@ -95,6 +97,8 @@ async def started(service: EngineService, answer: Awaitable[Any],
         raise named(engine_refusal(error), constraint) from None
     except EngineDeadError:
         raise engine_unavailable("the engine died while serving this request; the server restarts") from None
+    except GenerationError:
+        raise ended_in_engine(service, constraint) from None
     if isinstance(result, ErrorResponse):
         raise named(refusal(service, result.error.model_dump()), constraint)
     if isinstance(result, BaseModel):
@@ -103,8 +107,26 @@ async def started(service: EngineService, answer: Awaitable[Any],
     first = await anext(events, None)
     if first is not None and (error := error_in(first)) is not None:
         await events.aclose()
-        raise named(refusal(service, error), constraint)
+        refused = refusal(service, error)
+        raise ended_in_engine(service, constraint) if refused.status == 500 else named(refused, constraint)
     return resumed(service, first, events, path)
+
+
+def ended_in_engine(service: EngineService, constraint: str | None) -> APIError:
+    """A request the engine ended with an error (vLLM's GenerationError: no detail crosses from
+    the engine). With a healthy engine and a grammar, the grammar is what the engine gives up on
+    in a request (a compile past vLLM's bound, a state that allows no token: the front tries
+    both, :mod:`rope_plugins.server.grammars`, but the engine compiles again, under its own clock):
+    a 400 naming the field. Otherwise the 500 it is."""
+    healthy, reason = service.health()
+    if not healthy:
+        return engine_unavailable(reason)
+    if constraint:
+        bound = vllm_envs.VLLM_REGEX_COMPILATION_TIMEOUT_S
+        return bad_request(f"{constraint}: the engine could not follow this grammar (it did not compile within "
+                           f"vLLM's bound of {bound:g} s, or it allowed no token where the model had to write one)",
+                           param=constraint, code="invalid_grammar")
+    return APIError(500, "internal error: the engine ended the request with an error")
 
 
 async def resumed(service: EngineService, first: str | None, events: AsyncIterator[str],

@@ -40,26 +40,40 @@ class ServerProcess:
                 self.process.kill()
 
 
-def start_server(flags: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 900) -> ServerProcess:
-    """``python -m rope_plugins.server`` on a free loopback port with ``flags``; returns once /health is 200."""
+def start_server(flags: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 900,
+                 supervised: bool = False) -> ServerProcess:
+    """``python -m rope_plugins.server`` on a free loopback port with ``flags`` (under ``make
+    run``'s supervisor where ``supervised``); returns once /health is 200."""
     port = free_port()
-    command = [sys.executable, "-m", "rope_plugins.server", "--port", str(port), *flags]
+    module = "rope_plugins.server.supervisor" if supervised else "rope_plugins.server"
+    command = [sys.executable, "-m", module, "--port", str(port), *flags]
     with open(log, "w") as output:
         process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=output,
                                    stderr=subprocess.STDOUT)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
+    try:
+        wait_healthy(server, timeout)
+    except RuntimeError:
+        server.stop()
+        raise
+    return server
+
+
+def wait_healthy(server: ServerProcess, timeout: float) -> None:
+    """Return once ``server``'s /health answers 200; raise RuntimeError if its process exits or
+    ``timeout`` seconds pass first."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited early (code {process.returncode}):\n{log.read_text()[-3000:]}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"the server exited early (code {server.process.returncode}):\n"
+                               f"{server.log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{server.base}/health", timeout=2).status_code == 200:
-                return server
+                return
         except httpx.TransportError:
             pass
         time.sleep(1)
-    server.stop()
-    raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{server.log.read_text()[-3000:]}")
 
 
 @contextlib.contextmanager

@@ -187,6 +187,11 @@ def test_deploy_readme_reports_the_recorded_image_run():
     assert f"{day:%a %b} {day.day} {day.year}" in readme
 
 
+def test_every_docker_run_in_the_deploy_readme_restarts_a_server_whose_engine_died():
+    runs = re.findall(r"^\s*docker run .*$", (DEPLOY / "README.md").read_text(), re.M)
+    assert runs and all("--restart unless-stopped" in run for run in runs), runs
+
+
 def test_image_shape():
     stages = re.findall(r"^FROM .* AS (\w+)$", DOCKERFILE, re.M)
     assert stages == ["build", "runtime"]
@@ -216,6 +221,7 @@ def test_compose_serves_with_a_model_volume_and_optional_prometheus():
     server = compose["services"]["server"]
     assert "8000:8000" in server["ports"] and any(v.endswith(":/models") for v in server["volumes"])
     assert "/health" in " ".join(server["healthcheck"]["test"])
+    assert server["restart"] == "unless-stopped", "the server exits when its engine dies: compose starts it again"
     grace = int(server["stop_grace_period"].rstrip("s"))
     assert grace > float(server["environment"]["ROPE_EXTEND_SHUTDOWN_TIMEOUT"])
     assert compose["services"]["prometheus"]["profiles"] == ["monitoring"]
@@ -236,6 +242,7 @@ def test_kubernetes_probes_ports_grace_and_secret():
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] in routes
     assert pod["terminationGracePeriodSeconds"] > float(env["ROPE_EXTEND_SHUTDOWN_TIMEOUT"]["value"])
+    assert pod["restartPolicy"] == "Always", "the server exits when its engine dies: the kubelet starts it again"
     secret_ref = env["ROPE_EXTEND_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert secret_ref["name"] == docs["Secret"]["metadata"]["name"]
     assert secret_ref["key"] in docs["Secret"]["stringData"]

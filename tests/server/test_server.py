@@ -10,6 +10,7 @@ with SIGTERM while a request runs. Hostile input and a killed engine: test_serve
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import json
 import os
 import re
@@ -35,14 +36,15 @@ MODEL = "SmolLM2-135M-Instruct"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_server(log: Path, *flags: str) -> ServerProcess:
+def start_server(log: Path, *flags: str, supervised: bool = False) -> ServerProcess:
     """A server on the real default model with the test limits, the API key from the environment
     (as deployments pass it), in float32, named: the dtype these tests' numbers (a method's loss
     against plain RoPE's within training, say) are exact in, whatever the server's default."""
     base_flags = ["--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory", str(256 << 20),
                   "--dtype", "float32"]
     try:
-        return launch([*base_flags, *flags], log, env={"ROPE_EXTEND_API_KEY": API_KEY}, timeout=600)
+        return launch([*base_flags, *flags], log, env={"ROPE_EXTEND_API_KEY": API_KEY}, timeout=600,
+                      supervised=supervised)
     except RuntimeError as error:
         pytest.fail(str(error))
 
@@ -50,7 +52,8 @@ def start_server(log: Path, *flags: str) -> ServerProcess:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("server") / "server.log", "--max-num-seqs", "2",
-                          "--max-waiting", "1", "--shutdown-timeout", "60")
+                          "--max-waiting", "1", "--shutdown-timeout", "60", "--max-num-batched-tokens",
+                          str(STEP_TOKENS))
     yield server
     server.stop()
 
@@ -372,15 +375,48 @@ HI = [{"role": "user", "content": "hi"}]
 REPEAT = "a b a b a b a b a b a b"
 
 
+# How a field check's requests are sent (set per check): a long preamble before each prompt, so
+# that it is prefilled in chunks (the server's step holds STEP_TOKENS), and the context_extension
+# that each of its requests names.
+PREAMBLE: contextvars.ContextVar[str] = contextvars.ContextVar("preamble", default="")
+EXTENSION: contextvars.ContextVar[dict | None] = contextvars.ContextVar("extension", default=None)
+STEP_TOKENS = 256
+# mixed into one concurrent batch: each field's check runs under one of these
+BATCH_EXTENSIONS = [{"method": "rerope"}, {"method": "leaky_rerope", "leaky_k": 8.0}, {"method": "self_extend"},
+                    {"method": "ntk_mixed", "factor": 2.0}, {"method": "yarn", "factor": 2.0}, {"method": "none"}]
+
+
+def long_preamble(nonce: str) -> str:
+    """About 2 x STEP_TOKENS tokens of text, opening with ``nonce`` so that no other check's blocks
+    in the prefix cache match it."""
+    facts = ("The river runs north past the mill, and the mill grinds grain for three villages. "
+             "Each spring the snow melts on the hills and the river rises over the meadow. ")
+    return f"Notes {nonce}. " + facts * 14 + "End of notes.\n\n"
+
+
+def with_request_context(fields: dict) -> dict:
+    """``fields`` with the check's context_extension, unless they name their own."""
+    extension = EXTENSION.get()
+    return {**fields, "context_extension": extension} if extension and "context_extension" not in fields else fields
+
+
+def completion_prompt(text: str) -> str:
+    return PREAMBLE.get() + text
+
+
 def greedy_chat(client, **fields):
-    return client.chat.completions.create(model=MODEL, messages=fields.pop("messages", CAPITAL),
-                                          max_tokens=fields.pop("max_tokens", 12),
-                                          temperature=fields.pop("temperature", 0), extra_body=fields)
+    messages = fields.pop("messages", CAPITAL)
+    if preamble := PREAMBLE.get():
+        messages = [{"role": "system", "content": preamble}, *messages]
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=fields.pop("max_tokens", 12),
+                                          temperature=fields.pop("temperature", 0),
+                                          extra_body=with_request_context(fields))
 
 
 def greedy_completion(client, prompt=REPEAT, **fields):
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=fields.pop("max_tokens", 12),
-                                     temperature=fields.pop("temperature", 0), extra_body=fields)
+    return client.completions.create(model=MODEL, prompt=completion_prompt(prompt),
+                                     max_tokens=fields.pop("max_tokens", 12), temperature=fields.pop("temperature", 0),
+                                     extra_body=with_request_context(fields))
 
 
 def token_id(server, text: str) -> int:
@@ -431,7 +467,8 @@ FIELD_EFFECTS = {
     "logprobs": lambda s, c: len(greedy_completion(c, logprobs=1, max_tokens=3).choices[0].logprobs.tokens) == 3,
     "top_logprobs": lambda s, c: len(greedy_chat(c, logprobs=True, top_logprobs=3, max_tokens=2)
                                      .choices[0].logprobs.content[0].top_logprobs) == 3,
-    "echo": lambda s, c: greedy_completion(c, echo=True, max_tokens=2).choices[0].text.startswith(REPEAT),
+    "echo": lambda s, c: greedy_completion(c, echo=True, max_tokens=2).choices[0].text.startswith(
+        completion_prompt(REPEAT)),
     "prompt_logprobs": lambda s, c: len(greedy_completion(c, prompt_logprobs=1, max_tokens=1)
                                         .choices[0].model_extra["prompt_logprobs"]) > 1,
     "response_format": lambda s, c: isinstance(json.loads(chat_text(greedy_chat(c, max_tokens=32, response_format={
@@ -439,7 +476,7 @@ FIELD_EFFECTS = {
             "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}})))["ok"], bool),
     "structured_outputs": lambda s, c: chat_text(greedy_chat(c, structured_outputs={"choice": ["yes", "no"]}))
     in ("yes", "no"),
-    "tools": lambda s, c: greedy_chat(c, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48)
+    "tools": lambda s, c: greedy_chat(c, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=96)
     .choices[0].message.tool_calls[0].function.name == "get_weather",
     "tool_choice": lambda s, c: not greedy_chat(c, tools=[WEATHER_TOOL], tool_choice="none").choices[0].message
     .tool_calls and greedy_chat(c, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=64).choices[0].message
@@ -454,8 +491,8 @@ FIELD_EFFECTS = {
         add_generation_prompt=False, continue_final_message=True, max_tokens=4)).startswith("The capital"),
     "cache_salt": lambda s, c: chat_text(greedy_chat(c, cache_salt="tenant-a")) == chat_text(greedy_chat(c)),
     "context_extension": lambda s, c: json.loads(c.completions.with_raw_response.create(
-        model=MODEL, prompt="Hi", max_tokens=1, extra_body={"context_extension": {"method": "rerope"}})
-        .headers["x-context-extension"])["method"] == "rerope",
+        model=MODEL, prompt=completion_prompt("Hi"), max_tokens=1, extra_body={"context_extension": {
+            "method": "rerope"}}).headers["x-context-extension"])["method"] == "rerope",
 }
 # Fields whose effect a test above shows, and the ones that cannot change the answer.
 SHOWN_ELSEWHERE = {"model", "messages", "prompt", "stream", "stream_options"}
@@ -472,9 +509,38 @@ def test_every_request_field_is_in_the_table():
     assert declared == set(FIELD_EFFECTS) | SHOWN_ELSEWHERE | IGNORED | set(REFUSED_HERE)
 
 
+def check_field(server, client, field: str, preamble: str = "", extension: dict | None = None) -> bool:
+    """FIELD_EFFECTS[field] with its requests sent after ``preamble`` under ``extension``."""
+    tokens = PREAMBLE.set(preamble), EXTENSION.set(extension)
+    try:
+        return FIELD_EFFECTS[field](server, client)
+    finally:
+        PREAMBLE.reset(tokens[0])
+        EXTENSION.reset(tokens[1])
+
+
 @pytest.mark.parametrize("field", sorted(FIELD_EFFECTS))
 def test_a_request_field_is_honoured(server, client, field):
-    assert FIELD_EFFECTS[field](server, client), field
+    assert check_field(server, client, field), field
+
+
+@pytest.mark.parametrize("field", sorted(FIELD_EFFECTS))
+def test_a_request_field_is_honoured_after_a_prompt_prefilled_in_chunks(server, client, field):
+    assert check_field(server, client, field, long_preamble(f"chunked-{field}")), field
+
+
+def test_every_field_in_one_concurrent_batch_of_long_prompts_under_mixed_extensions(server):
+    """Every field's check at once, each after its own long preamble and under its own method;
+    as many at once as the server runs (2; a check with n=2 takes the waiting place too)."""
+    retrying = openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=8, timeout=300)
+    fields = sorted(FIELD_EFFECTS)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        checks = {field: pool.submit(check_field, server, retrying, field, long_preamble(f"batch-{field}"),
+                                     BATCH_EXTENSIONS[index % len(BATCH_EXTENSIONS)])
+                  for index, field in enumerate(fields)}
+        failed = [field for field, check in checks.items() if not check.result()]
+    assert not failed
+    assert httpx.get(f"{server.base}/health").status_code == 200
 
 
 def test_ignored_fields_change_nothing_and_others_are_refused_by_name(server, client):

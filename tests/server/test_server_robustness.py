@@ -9,6 +9,7 @@ on the same socket), and leave the engine serving.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -20,10 +21,15 @@ import httpx
 import pytest
 
 from bench import fuzz  # noqa: E402
+from rope_plugins.testing.launcher import wait_healthy
 from tests.server.test_server import API_KEY, MODEL, assert_error_body, metric_value, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED = 512  # --max-model-len: a small context keeps every fuzzed generation short
+STEP_TOKENS = 48  # --max-num-batched-tokens: a prompt of LONG_TEXT is prefilled in chunks
+# 96 tokens of text, two steps and short enough to leave the rows' max_tokens in the served
+# context: the hostile table's "hi" replaced by it
+LONG_TEXT = "The mill by the river grinds grain for three villages, and the river floods each spring. " * 5
 CAPACITY = 8  # --max-num-seqs 4 + --max-waiting 4
 MAX_BODY = 1 << 20
 MAX_LOGPROB_ENTRIES = 5000
@@ -78,7 +84,8 @@ def test_a_failed_engine_zeroes_its_gauges_and_stops_serving_once_nothing_is_in_
 def server(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("robust") / "server.log", "--max-model-len", str(SERVED),
                           "--max-num-seqs", "4", "--max-waiting", "4", "--max-request-bytes", str(MAX_BODY),
-                          "--max-logprob-entries", str(MAX_LOGPROB_ENTRIES))
+                          "--max-logprob-entries", str(MAX_LOGPROB_ENTRIES), "--max-num-batched-tokens",
+                          str(STEP_TOKENS))
     yield server
     server.stop()
 
@@ -247,6 +254,15 @@ BAD_REQUESTS = [
      "previous_response_id"),
     ("/v1/responses with a bad extension", RESPONSES, responses_body(context_extension={"method": "warp"}), 400,
      "context_extension.method"),
+    ("/v1/responses with a built-in tool", RESPONSES, responses_body(tools=[{"type": "web_search_preview"}]), 400,
+     "tools.0.type"),
+    # grammars the engine gave up on after admission (a 500 before): tried in front, named
+    ("a 50,000-way regex that compiles past the bound", CHAT,
+     chat_body(structured_outputs={"regex": "|".join(f"opt{i}x" for i in range(50_000))}), 400, "structured_outputs"),
+    ("a left-recursive grammar that allows no token", CHAT,
+     chat_body(structured_outputs={"grammar": 'root ::= root "a"'}), 400, "structured_outputs"),
+    ("a left-recursive grammar, streamed", COMPLETIONS,
+     completion_body(stream=True, structured_outputs={"grammar": 'root ::= root "a"'}), 400, "structured_outputs"),
     ("/v1/responses with an empty input", RESPONSES, responses_body(input=[]), 400, "input"),
     ("/detokenize past int32", "/detokenize", {"tokens": [2**40]}, 400, "tokens.0"),
     ("body is a list", COMPLETIONS, [1, 2], 400, None),
@@ -265,11 +281,24 @@ def local_port(response: httpx.Response) -> int:
     return response.extensions["network_stream"].get_extra_info("client_addr")[1]
 
 
+def lengthened(body):
+    """``body`` with its short prompt ("hi", in any of the three routes' shapes) made LONG_TEXT."""
+    if not isinstance(body, dict):
+        return body
+    if body.get("prompt") == "hi" or body.get("input") == "hi":
+        return {**body, **{key: LONG_TEXT for key in ("prompt", "input") if body.get(key) == "hi"}}
+    if body.get("messages") == user("hi"):
+        return {**body, "messages": user(LONG_TEXT)}
+    return body
+
+
+@pytest.mark.parametrize("length", ["short", "long"])
 @pytest.mark.parametrize("case, route, body, status, param", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
 def test_bad_request_is_refused_naming_the_field_and_the_connection_and_engine_carry_on(
-        server, http, case, route, body, status, param):
+        server, http, case, route, body, status, param, length):
+    """Each hostile request, with its short prompt and with one prefilled in chunks."""
     log_before = server.log.read_text()
-    response = send(http, route, body)
+    response = send(http, route, lengthened(body) if length == "long" else body)
     error = assert_error_body(response, status, param)
     assert len(error["message"]) <= 1100, "an error message must not echo a huge input"
     if status == 400 and param:
@@ -358,10 +387,13 @@ def test_a_client_that_hangs_up_a_plain_request_is_aborted_quietly(server):
 # ---- a dead engine ---------------------------------------------------------------------------
 
 
-def test_a_killed_engine_fails_what_is_in_flight_then_the_server_exits_for_its_supervisor(tmp_path):
+def test_a_killed_engine_fails_what_is_in_flight_then_make_runs_supervisor_serves_again(tmp_path):
+    """Under ``make run``'s supervisor (server/supervisor.py): the requests in flight fail in the
+    OpenAI shape, the server exits with status 3, the supervisor says why in one line and starts
+    it again on the same port, and /health answers 200 there."""
     import psutil
 
-    server = start_server(tmp_path / "server.log", "--max-model-len", str(SERVED))
+    server = start_server(tmp_path / "server.log", "--max-model-len", str(SERVED), supervised=True)
     try:
         long = completion_body(prompt="Count to a thousand:", max_tokens=SERVED - 16, ignore_eos=True)
         answers: dict[str, object] = {}
@@ -392,10 +424,24 @@ def test_a_killed_engine_fails_what_is_in_flight_then_the_server_exits_for_its_s
         events = answers["events"]
         assert answers["stream_status"] == 200 and events[-1] == "data: [DONE]", events[-3:]
         assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "engine_unavailable"
-        # then the process exits with its documented status, for a supervisor to restart it
-        assert server.process.wait(90) == 3
+        # then the server exits with its documented status, and the supervisor starts it again
+        deadline = time.time() + 90
+        while "starting it again" not in server.log.read_text() and time.time() < deadline:
+            time.sleep(0.5)
         log = server.log.read_text()
         assert "exiting with status 3" in log and log.count("-> 503") + log.count("error=503") >= 2
+        [restart] = [line for line in log.splitlines() if "starting it again" in line]
+        assert "exited with status 3" in restart and "the engine failed: engine died" in restart, restart
+        wait_healthy(server, 600)
+        again = httpx.post(f"{server.base}{COMPLETIONS}", json=completion_body(max_tokens=2), headers=AUTH, timeout=120)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 2
+        server.stop()  # SIGTERM to the supervisor: passed on; it exits once the server stopped, as the server did
+        assert server.process.returncode in (0, 128 + signal.SIGTERM)
+        after = server.log.read_text().split(restart, 1)[1]
+        assert "Traceback" not in after and "starting it again" not in after
     finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in psutil.Process(server.process.pid).children(recursive=True):
+                process.kill()
         if server.process.poll() is None:
-            server.process.send_signal(signal.SIGKILL)
+            server.process.kill()
