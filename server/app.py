@@ -26,7 +26,7 @@ from fastapi.staticfiles import StaticFiles
 
 from rope_plugins.server.admission import Capacity
 from rope_plugins.server.config import ServerConfig
-from rope_plugins.server.errors import install_error_handlers
+from rope_plugins.server.errors import install_error_handlers, quiet_model_output_tracebacks
 from rope_plugins.server.metrics import Metrics
 from rope_plugins.server.routes import chat, completions, models, playground, responses, system
 from rope_plugins.server.service import EngineService
@@ -79,6 +79,7 @@ def create_app(config: ServerConfig, model: str) -> FastAPI:
     # the entry point replaces this with its ASGI server's stop (tests build apps without one)
     app.state.stop_serving = lambda: logger.warning("the engine failed and nothing can stop this app")
     install_error_handlers(app)
+    quiet_model_output_tracebacks()
     if config.allowed_origins:
         # browsers of these origins may call the API (off by default: the playground is same-origin)
         origins = [origin.strip() for origin in config.allowed_origins.split(",") if origin.strip()]

@@ -201,6 +201,30 @@ def log_failure(method: str, path: str, status: int, message: str, code: str | N
                printable(message)[:300])
 
 
+class ModelOutputTraceback(logging.Filter):
+    """vLLM's tool parsers log a traceback when the model's tool call is not valid JSON (cut off
+    by ``max_tokens``, say): that is the model's output, not a fault, and the answer carries the
+    text as the model wrote it. One warning line instead."""
+
+    LOGGERS = "vllm.tool_parsers."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith(self.LOGGERS) and record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            record.msg = (f"{record.getMessage()} ({type(error).__name__}: {printable(str(error))[:200]}); "
+                          "the answer carries the model's text as it is")
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_model_output_tracebacks() -> None:
+    """:class:`ModelOutputTraceback` on the handlers of vLLM's logger and of the root logger."""
+    for handler in {*logging.getLogger("vllm").handlers, *logging.getLogger().handlers}:
+        if not any(isinstance(found, ModelOutputTraceback) for found in handler.filters):
+            handler.addFilter(ModelOutputTraceback())
+
+
 # ---- request validation: the field's public name ------------------------------------------
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})

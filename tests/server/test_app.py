@@ -48,3 +48,29 @@ def test_the_openai_routes_are_mounted():
     paths = {route.path for route in client().app.routes}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
             "/metrics", "/health"} <= paths
+
+
+def test_a_tool_parsers_traceback_on_the_models_output_is_one_warning_line():
+    """vLLM's hermes parser logs a traceback when a tool call the model wrote is cut off; the
+    server's log gets one line instead (other loggers' tracebacks are left as they are)."""
+    import io
+    import json
+    import logging
+
+    from rope_plugins.server.errors import ModelOutputTraceback
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(ModelOutputTraceback())
+    for name in ("vllm.tool_parsers.hermes_tool_parser", "vllm.other"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        try:
+            json.loads('{"name": "f", "arguments": {"x": "unterminated')
+        except json.JSONDecodeError:
+            logger.exception("Error in extracting tool call from response.")
+        finally:
+            logger.removeHandler(handler)
+    parser_line, *other = stream.getvalue().split("Error in extracting tool call from response.")[1:]
+    assert "JSONDecodeError: Unterminated string" in parser_line.splitlines()[0]
+    assert "Traceback" not in parser_line.split("\n", 1)[0] and "Traceback" in other[0]

@@ -416,7 +416,7 @@ def greedy_chat(client, **fields):
 def greedy_completion(client, prompt=REPEAT, **fields):
     return client.completions.create(model=MODEL, prompt=completion_prompt(prompt),
                                      max_tokens=fields.pop("max_tokens", 12), temperature=fields.pop("temperature", 0),
-                                     extra_body=with_request_context(fields))
+                                     stream=fields.pop("stream", False), extra_body=with_request_context(fields))
 
 
 def token_id(server, text: str) -> int:
@@ -441,7 +441,9 @@ FIELD_EFFECTS = {
     "min_p": lambda s, c: greedy_completion(c, temperature=1.5, min_p=1.0, seed=1).choices[0].text
     == greedy_completion(c).choices[0].text,
     "seed": lambda s, c: greedy_completion(c, temperature=1.5, seed=5).choices[0].text
-    == greedy_completion(c, temperature=1.5, seed=5).choices[0].text,
+    == greedy_completion(c, temperature=1.5, seed=5).choices[0].text
+    == "".join(chunk.choices[0].text for chunk in greedy_completion(c, temperature=1.5, seed=5, stream=True)
+               if chunk.choices),
     "n": lambda s, c: len(greedy_completion(c, temperature=1.0, n=2).choices) == 2,
     "presence_penalty": lambda s, c: greedy_completion(c, presence_penalty=2.0).choices[0].text
     != greedy_completion(c).choices[0].text,
