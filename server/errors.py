@@ -219,10 +219,16 @@ class ModelOutputTraceback(logging.Filter):
 
 
 def quiet_model_output_tracebacks() -> None:
-    """:class:`ModelOutputTraceback` on the handlers of vLLM's logger and of the root logger."""
-    for handler in {*logging.getLogger("vllm").handlers, *logging.getLogger().handlers}:
-        if not any(isinstance(found, ModelOutputTraceback) for found in handler.filters):
-            handler.addFilter(ModelOutputTraceback())
+    """:class:`ModelOutputTraceback` on the logger of each of vLLM's tool parsers (on the loggers,
+    not on handlers: vLLM configures its handlers again when an engine starts)."""
+    import pkgutil
+
+    import vllm.tool_parsers
+
+    for module in pkgutil.iter_modules(vllm.tool_parsers.__path__):
+        logger_of_module = logging.getLogger(f"{ModelOutputTraceback.LOGGERS}{module.name}")
+        if not any(isinstance(found, ModelOutputTraceback) for found in logger_of_module.filters):
+            logger_of_module.addFilter(ModelOutputTraceback())
 
 
 # ---- request validation: the field's public name ------------------------------------------

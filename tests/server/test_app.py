@@ -74,3 +74,14 @@ def test_a_tool_parsers_traceback_on_the_models_output_is_one_warning_line():
     parser_line, *other = stream.getvalue().split("Error in extracting tool call from response.")[1:]
     assert "JSONDecodeError: Unterminated string" in parser_line.splitlines()[0]
     assert "Traceback" not in parser_line.split("\n", 1)[0] and "Traceback" in other[0]
+
+
+def test_the_app_quiets_every_tool_parsers_logger_whatever_vllm_does_to_its_handlers():
+    import logging
+
+    from rope_plugins.server.errors import ModelOutputTraceback
+
+    client()
+    for name in ("hermes_tool_parser", "llama_tool_parser"):
+        assert any(isinstance(found, ModelOutputTraceback)
+                   for found in logging.getLogger(f"vllm.tool_parsers.{name}").filters), name
