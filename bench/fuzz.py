@@ -1,7 +1,14 @@
-"""Fuzz the HTTP API from its own OpenAPI schema with schemathesis, against the real server.
+"""Fuzz the HTTP API against the real server: from its own OpenAPI schema with schemathesis, or
+with generated combinations of request fields over prompt lengths up to the served maximum.
 
     .venv/bin/python bench/fuzz.py                     # 500 examples per operation, seed 0
     .venv/bin/python bench/fuzz.py --examples 2000 --seed 7
+    .venv/bin/python bench/fuzz.py --long-prompts 3000 # combinations, long prompts, 12 at once
+
+The long-prompt run (:mod:`bench.fuzz_fields` makes the bodies) serves 1,024 tokens in 128-token
+steps, so most prompts are prefilled in chunks, and sends each generated request, valid or
+hostile, from 12 threads at once; it writes bench/results/fuzz_long.json: the answers by status
+and by prompt length, every 5xx, tracebacks in the log, whether the engine served at the end.
 
 Starts ``python -m rope_plugins.server`` on the real default model with small limits (a 512-token context,
 4 running + 4 waiting sequences), so that every generated request that reaches the engine
@@ -79,9 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=500, help="schemathesis examples per operation")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "fuzz.json")
+    parser.add_argument("--long-prompts", type=int, metavar="N",
+                        help="send N generated requests with long prompts instead (bench/fuzz_fields.py)")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if args.long_prompts:
+        from bench.fuzz_fields import run_long_prompts
+
+        return run_long_prompts(args.long_prompts, args.seed, args.out or RESULTS / "fuzz_long.json")
+    args.out = args.out or RESULTS / "fuzz.json"
     import httpx
 
     from rope_plugins.testing.launcher import running_server

@@ -44,6 +44,7 @@ RENDERERS = {
     "reserved_cores": ("step_budget", "markdown"),
     "soak": ("soak", "markdown"),
     "fuzz": ("fuzz", "markdown"),
+    "fuzz_long": ("fuzz_fields", "markdown"),
     "base_bound_row": ("base_bound_row", "markdown"),
     "dtype": ("dtype_check", "markdown"),
     "dtype_methods": ("dtype_check", "methods_markdown"),
