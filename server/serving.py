@@ -21,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
-from vllm import envs as vllm_envs
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -122,9 +121,9 @@ def ended_in_engine(service: EngineService, constraint: str | None) -> APIError:
     if not healthy:
         return engine_unavailable(reason)
     if constraint:
-        bound = vllm_envs.VLLM_REGEX_COMPILATION_TIMEOUT_S
         return bad_request(f"{constraint}: the engine could not follow this grammar (it did not compile within "
-                           f"vLLM's bound of {bound:g} s, or it allowed no token where the model had to write one)",
+                           f"vLLM's bound of {service.grammars.bound:g} s, or it allowed no token where the model "
+                           "had to write one)",
                            param=constraint, code="invalid_grammar")
     return APIError(500, "internal error: the engine ended the request with an error")
 

@@ -27,8 +27,6 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-WORKER_CLASS = f"{__name__}.SeededCPUWorker"
-
 
 def discarded_rows(discard_mask: np.ndarray, num_rows: int) -> list[int]:
     """The batch rows whose sampled token this step throws away (partial prefills)."""
@@ -71,4 +69,3 @@ class SeededCPUWorker(CPUWorker):
             # vLLM's worker builds its runner by name inside init_device; the seam is the worker
             # class, so the stock runner it built is replaced by ours, built the same way.
             self.model_runner = SeededCPUModelRunner(self.vllm_config, self.device)
-
