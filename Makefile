@@ -3,7 +3,7 @@
 # Both install what they need first (scripts/install.sh is idempotent: a stamp skips it).
 PY := .venv/bin/python
 
-.PHONY: install run lint test base-bound bench-base-bound bench-speed
+.PHONY: install run lint test bench-speed
 
 install:
 	@./scripts/install.sh
@@ -13,21 +13,17 @@ install:
 run: install
 	$(PY) -m rope_plugins.server.supervisor $(ARGS)
 
-base-bound: install
-	$(PY) bench/base_bound.py
-
 # ruff ([tool.ruff] in pyproject.toml) and no function over 60 lines; .pre-commit-config.yaml
 # runs both before a commit too
 lint: install
 	$(PY) -m ruff check .
 	$(PY) scripts/function_lengths.py
+	$(PY) scripts/readme_flags.py --check
 
+# the 30 slowest tests at the end: the suite has a budget (CONTRIBUTING.md)
 test: install lint
 	@./scripts/install_browser.sh
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30
 
 bench-speed: install
 	$(PY) bench/speed.py
-
-bench-base-bound: install
-	$(PY) bench/base_bound_row.py

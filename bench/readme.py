@@ -45,7 +45,6 @@ RENDERERS = {
     "soak": ("soak", "markdown"),
     "fuzz": ("fuzz", "markdown"),
     "fuzz_long": ("fuzz_fields", "markdown"),
-    "base_bound_row": ("base_bound_row", "markdown"),
     "dtype": ("dtype_check", "markdown"),
     "dtype_methods": ("dtype_check", "methods_markdown"),
     "dtype_methods_rounded": ("dtype_check", "methods_markdown"),

@@ -52,14 +52,13 @@ class ServerConfig(BaseModel):
     local_window: int | None = Field(None, description="default dual-chunk local window; chunks are chunk_size - "
                                                         "local_window long (default: training length / 16)")
     log_n: bool = Field(False, description="default log-n query scaling")
-    dtype: str = Field("float32", description="model dtype: float32, bfloat16, or auto: bfloat16 on a CPU with "
-                       "bfloat16 dot products (AVX512_BF16 or AMX), float32 on other CPUs, the checkpoint's on a GPU")
+    dtype: str = Field("float32", description="model dtype: float32, bfloat16, or auto (bfloat16 where the CPU "
+                                              "has bfloat16 dot products, float32 on other CPUs, the checkpoint's on "
+                                              "a GPU)")
     attention_precision: Literal["float32", "bfloat16"] = Field(
         DEFAULT_ATTENTION_PRECISION,
-        description="a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw keys by "
-                    "AVX512_BF16): bfloat16 rounds each operand once, as stock vLLM's own attention does (on 16k "
-                    "real tokens within 0.0023 nats of float32 in every setting); float32 keeps it to 2^-16 "
-                    "(slower on AMX)")
+        description="a bfloat16 model's attention operands: bfloat16 rounds each once, as stock vLLM's CPU attention "
+                    "does; float32 keeps each to 2^-16 as two bfloat16 parts (slower on AMX)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
     max_num_seqs: int = Field(8, description="sequences decoded together")
     # a decoding request waits for each step's prompt chunk: the step-budget measurement

@@ -38,7 +38,7 @@ MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 MAX_TOKEN_LIST = 4096  # stop_token_ids, allowed_token_ids, bad_words
 MAX_METADATA = 16  # OpenAI's limit on metadata entries
 
-# Fields accepted and ignored: they cannot change the answer (README, "A request").
+# Fields accepted and ignored: they cannot change the answer (docs/usage.md, "Requests").
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 
 

@@ -1,4 +1,4 @@
-"""The README's layout against the tree and the imports: it names every module and nothing that
+"""docs/layout.md's tree against the tree and the imports: it names every module and nothing that
 is not there, says for each package folder which processes run it, and the imports keep to it
 (no cycle, no folder importing one that runs in fewer processes, nothing serving importing
 test support); pyproject.toml installs exactly the package folders."""
@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+LAYOUT = ROOT / "docs" / "layout.md"
 PACKAGE = "rope_plugins"
 # the folders installed as the package's subpackages, besides rope_plugins/ itself (pyproject's package-dir)
 MAPPED = {"server": f"{PACKAGE}.server", "deploy": f"{PACKAGE}.deploy"}
@@ -31,7 +31,7 @@ def tracked() -> list[str]:
 def layout_lines(text: str = "") -> list[tuple[str, list[str], list[str]]]:
     """(parent path, names, bracketed tags) per line of the layout's indented tree: the names
     (comma-separated, a directory ending in /) come before two or more spaces and their description."""
-    text = text or README.read_text()
+    text = text or LAYOUT.read_text()
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     lines, parents = [], []
     for line in section.splitlines():

@@ -13,14 +13,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "function_lengths.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("function_lengths", SCRIPT)
+def load_script(path: Path = SCRIPT):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 function_lengths = load_script()
+commit_subject = load_script(ROOT / "scripts" / "commit_subject.py")
 
 
 def test_ruff_check_is_clean():
@@ -86,3 +87,16 @@ def test_offenders_are_listed_with_path_line_name_and_length(tmp_path, capsys):
     assert function_lengths.main([str(tmp_path)]) == 1
     assert capsys.readouterr().out.splitlines() == [f"{tmp_path}/long.py:1 long (61 lines)"]
     assert function_lengths.main([str(tmp_path), "--max", "61"]) == 0
+
+
+def test_commit_subjects_are_72_characters_at_most_and_one_line(tmp_path):
+    assert commit_subject.subject_problem("x" * 72 + "\n\nthe details\n") is None
+    assert "73 characters" in commit_subject.subject_problem("x" * 73 + "\n")
+    assert commit_subject.subject_problem("# git's comment\n\nShort subject\n# " + "y" * 90) is None
+    assert "blank line" in commit_subject.subject_problem("Short subject\nbody glued to it\n")
+    assert commit_subject.subject_problem("# only a comment\n") == "the message is empty"
+    message = tmp_path / "COMMIT_EDITMSG"
+    message.write_text("z" * 100 + "\n")
+    hook = subprocess.run([sys.executable, str(ROOT / "scripts" / "commit_subject.py"), str(message)],
+                          capture_output=True, text=True)
+    assert hook.returncode == 1 and "100 characters" in hook.stderr

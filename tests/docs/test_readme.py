@@ -1,5 +1,6 @@
-"""The documents against the results: the README's sections in order, its flags table the
-server's, and bench/README.md's generated blocks their results files' (the layout: test_layout.py)."""
+"""The documents against the code and the results: the README's sections in order, its size, its
+flags table the server's --help, every docs page linked from it, and bench/README.md's generated
+blocks their results files' (the layout: test_layout.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from bench import readme
-from rope_plugins.server.config import ServerConfig, flag
+from scripts import readme_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # blocks whose benchmark has its own test module (test_speed, test_evaluate, ...) are checked there
-CHECKED_ELSEWHERE = {"speed", "eval", "eval_quick", "step_budget", "reserved_cores", "base_bound_row"}
+CHECKED_ELSEWHERE = {"speed", "eval", "eval_quick", "step_budget", "reserved_cores"}
 
 
 def tracked() -> list[str]:
@@ -26,21 +27,27 @@ def section(text: str, title: str) -> str:
     return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-README_SECTIONS = ("The two commands", "The playground", "On GPUs", "Models", "A request",
-                   "Structured outputs and tool calls", "Under stock `vllm serve`", "Flags", "The methods", "Layout",
-                   "Tests", "More")
+README_SECTIONS = ("The two commands", "A request", "Structured outputs and tool calls", "The methods", "Flags",
+                   "Where to go next")
 
 
-def test_the_readme_has_its_sections_in_order():
+def test_the_readme_has_its_sections_in_order_and_fits_two_screens():
     headings = re.findall(r"^## (.+)$", README.read_text(), re.M)
     assert headings == list(README_SECTIONS)
+    assert len(README.read_bytes()) <= 10_000
 
 
-def test_the_flags_table_is_the_servers():
-    rows = dict(re.findall(r"^\| `(--[a-z-]+)` \| ([^|]+) \|", README.read_text(), re.M))
-    for name, field in ServerConfig.model_fields.items():
-        default = "(none)" if field.default is None else str(field.default)
-        assert rows[flag(name)].strip() == (default.lower() if isinstance(field.default, bool) else default)
+def test_the_flags_table_is_the_servers_help():
+    text = README.read_text()
+    assert readme_flags.with_table(text) == text, "run scripts/readme_flags.py"
+    rows = re.findall(r"^\| `(--[a-z-]+)` \|", text, re.M)
+    assert len(rows) == len(set(rows)) > 30
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)", README.read_text()))
+    pages = {path for path in tracked() if path.startswith("docs/") and path.endswith(".md")}
+    assert pages and pages <= linked, f"not linked from the README: {sorted(pages - linked)}"
 
 
 def test_every_generated_block_has_a_renderer():
