@@ -191,7 +191,7 @@ def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0, rounded
             far_step_sin=zeros(1, -(-seq // step)), far_offset_cos=ones(1, step), far_offset_sin=zeros(1, step),
             far_table=torch.full((rows,), 0 if far_rule else -1, dtype=torch.int64))
         # as the engine calls it (rope_plugins/ops/cpu.py): a float32 query, the output in the model's dtype
-        once = cpu.rounds_once(cache, rounded_once)
+        once = cpu.rounded_once_on(cache, rounded_once)
         return lambda: native.decode_attention(inputs, query=query.float(), kv_cache=cache, scale=SCALE,
                                                rounded_once=once).to(query.dtype)
 

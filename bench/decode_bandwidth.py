@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from rope_plugins.plugin import precision_rounds_once
+from rope_plugins.plugin import rounded_once_at
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -136,7 +136,7 @@ def main() -> int:
               "target": TARGET, "attention_precision": args.attention_precision, "dtypes": {}}
     for dtype in args.dtypes:
         report["dtypes"][dtype] = measure(getattr(torch, dtype), args.layers, args.keys, args.reps,
-                                          rounded_once=precision_rounds_once(args.attention_precision))
+                                          rounded_once=rounded_once_at(args.attention_precision))
         print(f"{dtype}: " + ", ".join(f"{name} {took * 1e3:.3f} ms"
                                        for name, took in report["dtypes"][dtype]["seconds_per_layer"].items()),
               flush=True)

@@ -23,7 +23,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rope_plugins.plugin import precision_rounds_once
+from rope_plugins.plugin import rounded_once_at
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -214,7 +214,7 @@ def stock_markdown(report: dict) -> str:
 def methods_markdown(report: dict) -> str:
     precision = report.get("attention_precision", "float32")
     served = "bfloat16 with the attention's operands " + (
-        f"rounded once (--attention-precision {precision})" if precision_rounds_once(precision)
+        f"rounded once (--attention-precision {precision})" if rounded_once_at(precision)
         else "as two bfloat16 parts (--attention-precision float32)")
     splits = sorted({r.get("tokenizer", "ByteLevel") for r in report["rows"]})
     lines = [f"Each setting's loss at {report['length']:,} tokens (bench/evaluate.py's loss: its last 4,096 "
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         print(stock_markdown(report))
         return 0
     if args.methods_at:
-        rounded = precision_rounds_once(args.attention_precision)
+        rounded = rounded_once_at(args.attention_precision)
         stem = "eval_bfloat16_rounded" if rounded else "eval_bfloat16"
         report = method_losses(args.float32_runs, RESULTS / f"{stem}_runs.jsonl", args.methods_at)
         report["attention_precision"] = args.attention_precision

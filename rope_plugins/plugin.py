@@ -14,14 +14,13 @@ ATTENTION_OPS = ("cpu", "triton")
 # where it says the arithmetic of the CPU attention's bfloat16 dot products (AMX tiles; the
 # decode's raw keys by AVX512_BF16; bfloat16 caches only): float32-grade
 # operands (two bfloat16 parts each) or each rounded once to bfloat16, as stock vLLM's (the
-# default: on 16k real tokens within 0.0023 nats of float32 in every setting, closer than stock's
-# own bfloat16, and the AMX prefill at stock's speed; bench/README.md "Which dtype")
+# default, for its loss and its speed: bench/README.md "Which dtype" and "On a CPU with AMX")
 PRECISION_KEY = "rope_extend_attention_precision"
 ATTENTION_PRECISIONS = ("float32", "bfloat16")
 DEFAULT_ATTENTION_PRECISION = "bfloat16"
 
 
-def precision_rounds_once(precision: str) -> bool:
+def rounded_once_at(precision: str) -> bool:
     """Whether an attention precision (one of ATTENTION_PRECISIONS) rounds each bfloat16 operand once."""
     return precision == "bfloat16"
 

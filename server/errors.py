@@ -143,7 +143,7 @@ def vllm_error(error: dict[str, Any]) -> APIError:
 GRAMMAR_REFUSAL = re.compile(r"grammar|structured output|choice|regex|json schema|invalid type", re.IGNORECASE)
 
 
-def named(error: APIError, constraint: str | None) -> APIError:
+def name_grammar_field(error: APIError, constraint: str | None) -> APIError:
     """A refusal that names no field but is about the request's grammar names the field that
     gave it (``response_format``, ``structured_outputs`` or ``tools``)."""
     if error.param is None and error.status == 400 and constraint and GRAMMAR_REFUSAL.search(error.message):

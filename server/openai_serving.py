@@ -62,7 +62,7 @@ class ExtensionRenderer(OnlineRenderer):
         with refusals_named("messages", self.service.config.max_model_len):
             result = await super().render_chat(request, **kwargs)
         if not isinstance(result, ErrorResponse):
-            await self.checked(request, result[1], prompt_param="messages")
+            await self.check_request(request, result[1], prompt_param="messages")
         return result
 
     async def render_completion(self, request, **kwargs):
@@ -73,7 +73,7 @@ class ExtensionRenderer(OnlineRenderer):
         with refusals_named("prompt", self.service.config.max_model_len):
             result = await super().render_completion(request, **kwargs)
         if not isinstance(result, ErrorResponse):
-            await self.checked(request, result, prompt_param="prompt")
+            await self.check_request(request, result, prompt_param="prompt")
         return result
 
     async def render_responses(self, request, **kwargs):
@@ -81,10 +81,10 @@ class ExtensionRenderer(OnlineRenderer):
         with refusals_named("input", self.service.config.max_model_len):
             result = await super().render_responses(request, **kwargs)
         if not isinstance(result, ErrorResponse):
-            await self.checked(request, [result.engine_input], prompt_param="input")
+            await self.check_request(request, [result.engine_input], prompt_param="input")
         return result
 
-    async def checked(self, request: Any, engine_inputs: list[Any], prompt_param: str) -> None:
+    async def check_request(self, request: Any, engine_inputs: list[Any], prompt_param: str) -> None:
         """The rendered request within bounds, its sampling as the engine will check it, and each
         prompt's settings carried to the engine (and kept for the response)."""
         applied, max_tokens = check_rendered(request, engine_inputs, prompt_param, self.service.bounds,

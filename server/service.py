@@ -50,13 +50,14 @@ class ExtensionEngine(AsyncLLM):
         prompt, params = extension_request(prompt, sampling_params, settings)
         outputs = super().generate(prompt, params, request_id, *args, **kwargs)
         logged_text = prompt.get("prompt") if self.service.config.log_prompts else None
-        async for output in measured(self.service, request_id, settings, len(prompt_ids), params, outputs,
+        async for output in measure_outputs(self.service, request_id, settings, len(prompt_ids), params, outputs,
                                      logged_text):
             yield output
 
 
-async def measured(service: EngineService, request_id: str, settings: ExtensionSettings, prompt_tokens: int,
-                   params: Any, outputs: AsyncIterator[Any], prompt_text: str | None = None) -> AsyncIterator[Any]:
+async def measure_outputs(service: EngineService, request_id: str, settings: ExtensionSettings,
+                          prompt_tokens: int, params: Any, outputs: AsyncIterator[Any],
+                          prompt_text: str | None = None) -> AsyncIterator[Any]:
     """The engine outputs of one request, measured: time to first token, between tokens
     (streamed requests), end to end, token counts by method; one log line when it ends,
     however it ends."""

@@ -34,7 +34,7 @@ from rope_plugins.server.errors import (
     engine_unavailable,
     internal_error_body,
     log_failure,
-    named,
+    name_grammar_field,
     validation_error,
     vllm_error,
 )
@@ -57,7 +57,7 @@ def vllm_request(body: Any, model: type[BaseModel]) -> Any:
     except ValidationError as error:
         raise validation_error(RequestValidationError(error.errors())) from None
     except VLLMValidationError as error:  # raised by its validators, as they are not ValueErrors
-        raise named(engine_refusal(error), body.constraint_field()) from None
+        raise name_grammar_field(engine_refusal(error), body.constraint_field()) from None
     setattr(request, REQUESTED_ATTRIBUTE, body.context_extension)
     return request
 
@@ -70,8 +70,8 @@ async def serve(request: Request, service: EngineService, capacity: Capacity, ha
     admission is released when the answer is done, however it ends."""
     admission = capacity.admit(sequences, param=sequences_param)
     try:
-        result = await unless_disconnected(request, started(service, handler(vllm_body, request), to_events,
-                                                            request.url.path, body.constraint_field()))
+        result = await unless_disconnected(request, open_answer(service, handler(vllm_body, request), to_events,
+                                                                request.url.path, body.constraint_field()))
         headers = settings_header(vllm_body)
         if isinstance(result, BaseModel):
             admission.release()
@@ -86,20 +86,20 @@ async def serve(request: Request, service: EngineService, capacity: Capacity, ha
         raise
 
 
-async def started(service: EngineService, answer: Awaitable[Any],
-                  to_events: Callable[[Any], AsyncIterator[str]] | None, path: str, constraint: str | None) -> Any:
+async def open_answer(service: EngineService, answer: Awaitable[Any],
+                      to_events: Callable[[Any], AsyncIterator[str]] | None, path: str, constraint: str | None) -> Any:
     """vLLM's answer, a refusal raised as APIError; a stream (as server-sent events) once its
     first event is in and is not an error."""
     try:
         result = await answer
     except (VLLMValidationError, ValueError, TypeError) as error:  # vLLM's own refusals raised, as it answers them
-        raise named(engine_refusal(error), constraint) from None
+        raise name_grammar_field(engine_refusal(error), constraint) from None
     except EngineDeadError:
         raise engine_unavailable("the engine died while serving this request; the server restarts") from None
     except GenerationError:
         raise ended_in_engine(service, constraint) from None
     if isinstance(result, ErrorResponse):
-        raise named(refusal(service, result.error.model_dump()), constraint)
+        raise name_grammar_field(refusal(service, result.error.model_dump()), constraint)
     if isinstance(result, BaseModel):
         return result
     events = to_events(result) if to_events else result
@@ -107,8 +107,8 @@ async def started(service: EngineService, answer: Awaitable[Any],
     if first is not None and (error := error_in(first)) is not None:
         await events.aclose()
         refused = refusal(service, error)
-        raise ended_in_engine(service, constraint) if refused.status == 500 else named(refused, constraint)
-    return resumed(service, first, events, path)
+        raise ended_in_engine(service, constraint) if refused.status == 500 else name_grammar_field(refused, constraint)
+    return stream_from_first(service, first, events, path)
 
 
 def ended_in_engine(service: EngineService, constraint: str | None) -> APIError:
@@ -128,8 +128,8 @@ def ended_in_engine(service: EngineService, constraint: str | None) -> APIError:
     return APIError(500, "internal error: the engine ended the request with an error")
 
 
-async def resumed(service: EngineService, first: str | None, events: AsyncIterator[str],
-                  path: str) -> AsyncIterator[str]:
+async def stream_from_first(service: EngineService, first: str | None, events: AsyncIterator[str],
+                            path: str) -> AsyncIterator[str]:
     """The stream from its first event on; an error after the 200 went out (the engine died,
     say) is an event in this server's catalogue, logged as any other refusal."""
     if first is not None:

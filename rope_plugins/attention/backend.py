@@ -30,7 +30,7 @@ from rope_plugins.plugin import (
     DEFAULT_ATTENTION_PRECISION,
     OPS_KEY,
     PRECISION_KEY,
-    precision_rounds_once,
+    rounded_once_at,
 )
 from rope_plugins.worker.requests import step_tables
 from rope_plugins.worker.row_tables import RowTables
@@ -41,7 +41,7 @@ def runs_triton(vllm_config: VllmConfig, device: torch.device) -> bool:
     return device.type == "cuda" or (vllm_config.additional_config or {}).get(OPS_KEY) == "triton"
 
 
-def rounds_operands_once(vllm_config: VllmConfig | None) -> bool:
+def rounded_once_in(vllm_config: VllmConfig | None) -> bool:
     """Whether the CPU attention's bfloat16 dot products (AMX tiles; the decode's raw keys) take each
     operand rounded once to bfloat16 (the engine's ``PRECISION_KEY`` is ``"bfloat16"``, the
     default; also without an engine, as the tests build the impl) rather than as two bfloat16 parts
@@ -50,7 +50,7 @@ def rounds_operands_once(vllm_config: VllmConfig | None) -> bool:
     precision = config.get(PRECISION_KEY, DEFAULT_ATTENTION_PRECISION)
     if precision not in ATTENTION_PRECISIONS:
         raise ValueError(f"additional_config {PRECISION_KEY} must be one of {ATTENTION_PRECISIONS}, not {precision!r}")
-    return precision_rounds_once(precision)
+    return rounded_once_at(precision)
 
 
 class RopeExtendMetadataBuilder(AttentionMetadataBuilder[StepPlan | KernelPlan]):
@@ -97,7 +97,7 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.use_kernel = True  # the tests switch it off to hold the plain PyTorch path against the oracle
-        self.rounded_once = rounds_operands_once(get_current_vllm_config_or_none())
+        self.rounded_once = rounded_once_in(get_current_vllm_config_or_none())
         if not torch.cuda.is_available():
             cpu.built_kernels()  # build or load them now, at model construction, not inside the first step
 

@@ -73,7 +73,7 @@ def uses_matrix_tiles(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype != torch.float32 and native.matrix_tiles_ready()
 
 
-def rounds_once(kv_cache: torch.Tensor, rounded_once: bool) -> bool:
+def rounded_once_on(kv_cache: torch.Tensor, rounded_once: bool) -> bool:
     """Whether the AMX tiles (and the decode's vdpbf16ps against raw keys) take their operands
     rounded once to bfloat16, as asked: a bfloat16 cache's only (rounding a float16 model's
     operands to bfloat16 would drop 3 of their bits)."""
@@ -94,7 +94,7 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
     its keys read out once per chunk at their far angle (raw under ReRoPE) and, for the band, at
     their near angle, in tiles whose 32 keys of one dimension are one contiguous vector. On AMX
     tiles where :func:`uses_matrix_tiles` (``matrix_tiles`` None) or where asked, their operands
-    rounded once to bfloat16 where ``rounded_once`` (:func:`rounds_once`; else two bfloat16 parts
+    rounded once to bfloat16 where ``rounded_once`` (:func:`rounded_once_on`; else two bfloat16 parts
     each, to 2^-16)."""
     tile, half = KEY_TILE, query.shape[-1] // 2
     tiles = -(-row.seq_len // tile)
@@ -115,7 +115,7 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
                                    near_from=row.near_from, context=row.context, banded=row.band_keys is not None,
                                    near_origin=near_origin,
                                    matrix_tiles=uses_matrix_tiles(kv_cache) if matrix_tiles is None else matrix_tiles,
-                                   rounded_once=rounds_once(kv_cache, rounded_once))
+                                   rounded_once=rounded_once_on(kv_cache, rounded_once))
     return native.prefill_attention(
         inputs, query=query.float(), near_keys=near_keys, far_keys=far_keys,
         values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),
@@ -178,7 +178,7 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
     if not (use_kernel and kv_cache.dtype in KERNEL_DTYPES and built_kernels() is not None):
         return decode_plain(query, kv_cache, plan, queries, scale=scale)
     return native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache, scale=scale,
-                                   rounded_once=rounds_once(kv_cache, rounded_once)).to(query.dtype)
+                                   rounded_once=rounded_once_on(kv_cache, rounded_once)).to(query.dtype)
 
 
 def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,

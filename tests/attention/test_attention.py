@@ -178,7 +178,7 @@ def float32_output_over_16_bit_cache(dtype, head, rounded_once=False):
 # two-part path's own bfloat16 output rounding costs (2^-7 at outputs of 2 to 4); without tiles,
 # where only ReRoPE's decode rows take rounded queries, 1.0e-3 to 1.3e-3. Held to 2^-6, and beyond
 # 2^-12 (the operands were rounded: two parts give 2e-6 to 2e-5). A float16 cache keeps its two
-# parts (cpu.rounds_once): bfloat16 would drop 3 of its bits.
+# parts (cpu.rounded_once_on): bfloat16 would drop 3 of its bits.
 ROUNDED_ONCE_TOLERANCE = 2.0**-6
 
 
