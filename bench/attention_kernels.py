@@ -19,16 +19,16 @@ log-sum-exp). Interleaved repetitions, medians; outputs compared. Writes
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -272,23 +272,14 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    """The CPU's model, core count and widest vector and matrix instructions."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.machine())
-    isa = "avx512f" if " avx512f" in info else "avx2" if " avx2" in info else "other"
-    return f"{model}, {os.cpu_count()} cores, {isa}" + (", amx" if " amx_tile" in info else "")
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="queries, keys and values (vLLM takes its AMX kernel in bfloat16 where the CPU has it)")
     parser.add_argument("--out", type=Path, help="default: bench/results/attention_kernels[_bfloat16].json")
     parser.add_argument("--decode-only", action="store_true", help="time the decode kernels only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     out = args.out or RESULTS / f"attention_kernels{'' if args.dtype == 'float32' else '_' + args.dtype}.json"
     torch.manual_seed(0)
@@ -320,14 +311,13 @@ def main() -> int:
         print(f"context {context:6,} chunk {chunk:6,}: vLLM {medians['vllm']:.3f} s; x vLLM: "
               + ", ".join(f"{name} {ratio:.2f}" for name, ratio in row["over_vllm"].items() if name != "vllm")
               + f"; max |difference| {row['max_abs_difference']:.1e}", flush=True)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+    report = {"date": harness.now(), "machine": harness.machine(),
               "torch_threads": torch.get_num_threads(), "reps": args.reps, "dtype": args.dtype, "rows": rows,
               "decode": decode_rows}
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(report, out)
     print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

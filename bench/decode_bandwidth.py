@@ -24,18 +24,18 @@ reported. Writes ``bench/results/decode_bandwidth.json`` (bfloat16 and float32).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from rope_plugins.plugin import rounded_once_at
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -117,8 +117,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    from bench.speed import add_attention_precision, cpu_model
+def main(argv: list[str] | None = None) -> int:
+    from bench.speed import add_attention_precision
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=32768)
@@ -128,10 +128,10 @@ def main() -> int:
     add_attention_precision(parser, "bfloat16's raw keys against queries rounded once (bfloat16) or in two parts "
                                     "(float32)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_bandwidth.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores",
+    report = {"date": harness.now(),
+              "machine": harness.machine(),
               "threads": torch.get_num_threads(), "keys": args.keys, "layers": args.layers, "reps": args.reps,
               "target": TARGET, "attention_precision": args.attention_precision, "dtypes": {}}
     for dtype in args.dtypes:
@@ -140,12 +140,11 @@ def main() -> int:
         print(f"{dtype}: " + ", ".join(f"{name} {took * 1e3:.3f} ms"
                                        for name, took in report["dtypes"][dtype]["seconds_per_layer"].items()),
               flush=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(report, args.out)
     print(markdown(report))
     print(f"wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

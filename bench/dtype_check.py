@@ -15,15 +15,15 @@ Writes bench/results/dtype.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from rope_plugins.plugin import rounded_once_at
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -110,7 +110,6 @@ def method_losses(float32_runs: Path, bfloat16_runs: Path, length: int) -> dict:
     (a float32 server's and a ``--dtype bfloat16`` one's), compared only on the same tokens: a
     record's tokenizer split (records from before it was written down: the bare byte-level
     regex) must be the same in both, or the two losses score different texts."""
-    sys.path.insert(0, str(ROOT))
     from bench.evaluate import current_records
 
     def losses(runs: Path) -> dict[tuple[str, str], float]:
@@ -189,7 +188,7 @@ def stock_reference(length: int) -> dict:
     rows = [{"engine": engine, "dtype": dtype, "attention_precision": precision,
              "loss": plain_rope_loss(directory, length, dtype, engine, precision)}
             for engine, dtype, precision in tqdm(REFERENCE_RUNS, desc=f"plain RoPE at {length:,}", unit="engine")]
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+    return {"date": harness.now(), "machine": machine(),
             "length": length, "tolerance": METHOD_TOLERANCE, "rows": against_stock_float32(rows)}
 
 
@@ -248,13 +247,12 @@ def main(argv: list[str] | None = None) -> int:
                              "and the plugin's none in bfloat16 at both attention precisions (writes "
                              "bench/results/dtype_stock.json)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     if args.stock_at:
         from rope_plugins.frontend.engine_args import compute_on_every_core
 
         compute_on_every_core()
         report = stock_reference(args.stock_at)
-        (RESULTS / "dtype_stock.json").write_text(json.dumps(report, indent=2) + "\n")
+        harness.write_json(report, RESULTS / "dtype_stock.json")
         print(stock_markdown(report))
         return 0
     if args.methods_at:
@@ -262,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         stem = "eval_bfloat16_rounded" if rounded else "eval_bfloat16"
         report = method_losses(args.float32_runs, RESULTS / f"{stem}_runs.jsonl", args.methods_at)
         report["attention_precision"] = args.attention_precision
-        (RESULTS / f"dtype_methods{'_rounded' if rounded else ''}.json").write_text(json.dumps(report, indent=2) + "\n")
+        harness.write_json(report, RESULTS / f"dtype_methods{'_rounded' if rounded else ''}.json")
         print(methods_markdown(report))
         return 0 if report["all_within"] else 1
     from tqdm import tqdm
@@ -280,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(provision(name), dtype, engine == "plugin", kind, question)
         rows.append({"model": name, "dtype": dtype, "engine": engine, **result,
                      "answer_correct": all(word in result["answer"] for word in expected)})
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "text_tokens": TEXT_TOKENS,
+    report = {"date": harness.now(),
+              "machine": harness.machine(), "text_tokens": TEXT_TOKENS,
               "seconds": round(time.perf_counter() - began), "rows": rows, "verdicts": verdicts(rows)}
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(report, args.out)
     print(markdown(report))
     print(f"wrote {args.out}")
     return 0

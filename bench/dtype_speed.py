@@ -18,17 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.speed import cpu_model, engine_arguments, random_prompt  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.speed import engine_arguments, random_prompt  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DTYPES = ("float32", "bfloat16")
@@ -147,10 +146,7 @@ def faster(ratio: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Per length, each dtype's end-to-end seconds as prefill plus the reply's decode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     lengths = [str(n) for n in report["lengths"]]
     figure, axis = plt.subplots(figsize=(7.5, 3.8))
@@ -171,18 +167,18 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens timed for the TPOT")
     parser.add_argument("--out", type=Path, default=RESULTS / "dtype_speed.json")
     parser.add_argument("--markdown", action="store_true", help="print --out as bench/README.md shows it and stop")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(args.out.read_text())))
         return 0
@@ -192,15 +188,15 @@ def main() -> int:
 
     longest = max(args.lengths) + args.decode_tokens + 64
     engines = DtypeEngines(str(provision_default_model()), 1 << (longest - 1).bit_length())
-    meta = {"machine": f"{cpu_model()}, {os.cpu_count()} cores ({platform.machine()})",
+    meta = {"machine": harness.machine(),
             "model": "SmolLM2-135M-Instruct", "lengths": args.lengths, "reps": args.reps,
             "decode_tokens": args.decode_tokens, "reply_tokens": REPLY_TOKENS}
 
     def write(samples: dict) -> dict:
         median, ratio = summary(samples)
-        report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **meta, "median": median,
+        report = {"date": harness.now(), **meta, "median": median,
                   "bfloat16_over_float32": ratio, "faster": faster(ratio), "samples": samples}
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        harness.write_json(report, args.out)
         return report
 
     report = write(measure(engines, args.lengths, args.reps, args.decode_tokens, write))

@@ -38,17 +38,19 @@ import csv
 import json
 import math
 import os
-import platform
 import random
 import signal
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from rope_plugins.rules.settings import AUTO, ExtensionSettings, length_factor, positions_used
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -283,7 +285,7 @@ class Evaluator:
         values = getattr(self, test)(settings, length, *passkey_at)
         record = {"test": test, "label": key[1], "settings": settings, "length": length, "sample": key[3],
                   **values, "tokenizer": self.split, "seconds": round(time.perf_counter() - began, 1),
-                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                  "date": harness.now()}
         with self.runs.open("a") as out:
             out.write(json.dumps(record) + "\n")
         return record
@@ -358,7 +360,7 @@ def summarize(records: list[dict]) -> dict:
 
 def write_outputs(report: dict, out_dir: Path, stem: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(report, out_dir / f"{stem}.json")
     columns = ["label", "length", "nll", "accuracy", "repeat_accuracy", "passkey", "passkey_trials"]
     with (out_dir / f"{stem}.csv").open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
@@ -429,10 +431,7 @@ def plot(summary: dict, path: Path) -> None:
     """One panel per measured quantity: lines over context length (solid plain, dashed
     log_n, one colour per method), bars when there is one length (--quick); the ablations'
     losses as bars beside their defaults; the legend in a panel of its own."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     rows = sorted(summary["rows"], key=lambda r: label_order(r["label"]))
     main = [r for r in rows if not is_ablation(r)]
@@ -741,7 +740,7 @@ def settings_argument(text: str) -> dict:
     return settings
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from bench.speed import add_attention_precision
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -775,12 +774,12 @@ def parse_args() -> argparse.Namespace:
                         help="rewrite the summary files from the results log, print their markdown and stop")
     parser.add_argument("--readme", action="store_true",
                         help="also rewrite the eval[_quick].json block of bench/README.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     return args
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     quick = args.quick
     stem = args.stem or ("eval_quick" if quick else "eval") + ("" if args.dtype == "float32" else f"_{args.dtype}")
     args.runs = args.runs or args.out_dir / f"{stem}_runs.jsonl"
@@ -789,7 +788,7 @@ def main() -> int:
     jobs = [("loss", s, QUICK_LENGTH) for s in grid] if quick else plan(lengths, grid, args.depths, args.keys,
                                                                          args.ablations)
     jobs = [job for job in jobs if job[0] in args.tests]
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    meta = {"machine": harness.machine(),
             "model": f"SmolLM2-135M-Instruct ({args.dtype})", "train_length": TRAIN_LENGTH, "corpus": args.corpus,
             "profile": "quick" if quick else "full",
             "passkey_trials_per_length": 0 if quick else len(args.depths) * args.keys}
@@ -909,5 +908,4 @@ def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, 
     return 0
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

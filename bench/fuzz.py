@@ -24,14 +24,16 @@ tracebacks in the log, and whether the engine still served at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 from collections import Counter
-from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -90,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="send N generated requests with long prompts instead (bench/fuzz_fields.py)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     if args.long_prompts:
         from bench.fuzz_fields import run_long_prompts
 
@@ -112,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     log = log_path.read_text()
     summary = result.stdout[-3000:]
     report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": harness.now(),
         "server_flags": SERVER_FLAGS, "examples_per_operation": args.examples, "seed": args.seed, "checks": CHECKS,
         "requests_generated": generated_count(result.stdout), "schemathesis_passed": result.returncode == 0,
         "server_errors_5xx": sum(n for key, n in answers_by_status(log).items() if key.startswith("5")),
         "answers_by_status": answers_by_status(log), "tracebacks_in_log": log.count("Traceback"),
         "log_bytes": len(log), "healthy_at_end": healthy, "schemathesis_summary": summary,
     }
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(report, args.out)
     print(summary)
     print(f"{report['requests_generated']} requests, {report['server_errors_5xx']} answered 5xx, "
           f"{report['tracebacks_in_log']} tracebacks; wrote {args.out}")

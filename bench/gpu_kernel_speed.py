@@ -26,13 +26,16 @@ Hopper GPU is FlashAttention-3 on the paged cache, which this script does not ha
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-from datetime import datetime, timezone
+import sys
 from functools import partial
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args.torch_dtype = getattr(torch, args.dtype)
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": harness.now(),
               "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
               "triton": triton.__version__, "python": platform.python_version(),
               "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head": args.head, "dtype": args.dtype,
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        harness.write_json(report, args.out)
 
     parts = (("decode", decode_speed),) + (() if args.skip_prefill else (("prefill", prefill_speed),))
     for part, measure in parts:

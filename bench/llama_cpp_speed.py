@@ -35,8 +35,11 @@ import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LLAMA_CPP_VERSION = "0.3.36"  # pyproject.toml's [llama-cpp] pin; its sdist holds the converter
@@ -176,7 +179,7 @@ class PluginEngine:
         return {"prefill": prefill, "tpot": (many - one) / new_tokens, "end_to_end": prefill + many - one}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -186,7 +189,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS / "llama_cpp_speed.json")
     parser.add_argument("--resume", action="store_true", help="keep --out's measurements and run only the rest")
     parser.add_argument("--markdown", action="store_true", help="print --out as bench/README.md shows it and stop")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 class Comparison:
@@ -199,7 +202,6 @@ class Comparison:
         except ImportError as error:
             raise SystemExit("llama-cpp-python is not installed: .venv/bin/python -m pip install -e '.[llama-cpp]'") \
                 from error
-        from bench.speed import cpu_model
         from rope_plugins.frontend.engine_args import compute_on_every_core
         from rope_plugins.server.provision import cache_root, provision_default_model
 
@@ -209,8 +211,8 @@ class Comparison:
         longest = max(args.lengths) + args.new_tokens + 64
         self.engines = [PluginEngine(str(model), dtype, longest) for dtype in args.plugin_dtypes]
         self.llama_cpp = llama_cpp_configs(args.linear)
-        self.report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "machine": f"{cpu_model()}, {os.cpu_count()} cores", "threads": args.threads,
+        self.report = {"date": harness.now(),
+                       "machine": harness.machine(), "threads": args.threads,
                        "model": model.name, "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
                        "train_length": self.engines[0].train_length, "new_tokens": args.new_tokens,
                        "lengths": args.lengths, "llama_cpp_defaults": "f16 KV cache, n_batch 512, greedy",
@@ -259,15 +261,12 @@ class Comparison:
 
     def write(self) -> None:
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
-        self.args.out.write_text(json.dumps(self.report, indent=2) + "\n")
+        harness.write_json(self.report, self.args.out)
 
 
 def plot(report: dict, path: Path) -> None:
     """Per length, each configuration's end-to-end seconds as prefill plus decode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     lengths = [str(n) for n in report["lengths"]]
     names = list(report["runs"])
@@ -338,9 +337,8 @@ def end_to_end_reading(report: dict, plugin: str, n: str) -> str:
             f"{'met' if met else 'not met'}.")
 
 
-def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench.speed importable
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(args.out.read_text())))
         return

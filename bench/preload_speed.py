@@ -19,8 +19,11 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -48,7 +51,7 @@ def comparison(without: dict, with_: dict) -> dict:
               for config, by_length in without["median"].items()}
     throughput = {name: with_["batch8"]["tokens_per_second"][name] / value
                   for name, value in without["batch8"]["tokens_per_second"].items()}
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": without["machine"],
+    return {"date": harness.now(), "machine": without["machine"],
             "dtype": without["dtype"], "runs": {"without": without["date"], "with": with_["date"]},
             "time_with_over_without": ratios, "batch8_throughput_with_over_without": throughput,
             "median": {"without": without["median"], "with": with_["median"]}}
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             run(variant)
     runs = {variant: json.loads((RUNS / f"{variant}.json").read_text()) for variant in VARIANTS}
     report = comparison(runs["without"], runs["with"])
-    (RESULTS / "preload.json").write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(report, RESULTS / "preload.json")
     print(markdown(report))
     return 0
 

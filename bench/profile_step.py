@@ -26,7 +26,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--config", default="rerope", help="stock, or a method name")
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--cached", action="store_true", help="profile decode: run the prompt once before")
     parser.add_argument("--batch", type=int, default=1, help="requests at once (speed.py's batch of 8)")
     parser.add_argument("--dtype", default="float32", help="the model's dtype (float32, bfloat16)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     import torch

@@ -37,13 +37,15 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -153,7 +155,7 @@ def run_job(job: dict, base: str, served: str, tokenizer: Path, samples: int, sc
               for task, found in result["tasks"].items()}
     return {**{k: v for k, v in job.items() if k != "tasks"}, "scores": scores,
             "seconds": round(time.perf_counter() - began, 1),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "date": harness.now()}
 
 
 def expected_seconds(job: dict, log: list[dict], samples: int) -> float:
@@ -322,10 +324,7 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path: Path) -> None:
     """One grid per model, settings by lengths, each measured cell coloured and labelled by its score
     (lines would hide each other: most settings score the same)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
     import numpy as np
 
     models = report["models"]
@@ -356,7 +355,7 @@ def report(args: argparse.Namespace) -> int:
     # a table of what the log holds unless told which tasks and lengths: each cell needs all its tasks
     tasks = args.tasks or [task for task in TASKS if task in {r["task"] for r in log}]
     lengths = args.lengths or sorted({r["length"] for r in log})
-    summary = summarize(log, tasks, {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "lengths": lengths})
+    summary = summarize(log, tasks, {"machine": harness.machine(), "lengths": lengths})
     (args.out_dir / f"{STEM}.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, args.out_dir / f"{STEM}.png")
     text = markdown(summary)
@@ -421,5 +420,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

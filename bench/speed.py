@@ -20,15 +20,18 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import statistics
+import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 KV_BYTES = 3 << 30
@@ -164,14 +167,6 @@ class SideBySide:
         return prefill, (many - one) / decode_tokens
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def memory_bandwidth(gib: float = 1.0, reps: int = 5) -> dict[str, float]:
     """This machine's memory bandwidth from PyTorch on every core: the best of ``reps`` copies of
     a ``gib`` GiB tensor (bytes read + written per second) and of sums over it (bytes read)."""
@@ -230,7 +225,7 @@ def add_attention_precision(parser: argparse.ArgumentParser, help: str | None = 
                         help=help)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
     parser.add_argument("--reps", type=int, default=3)
@@ -249,14 +244,14 @@ def parse_args() -> argparse.Namespace:
                         help="print the table of one repetition (1-based) from --out and stop")
     parser.add_argument("--markdown", action="store_true",
                         help="print --out as bench/README.md shows it (tables and readings) and stop")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(args.out.read_text())))
         return
@@ -365,8 +360,8 @@ class SpeedRun:
         """The report from what has been measured so far."""
         args, samples, batch, median = self.args, self.samples, self.batch, statistics.median
         report = {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores",
+            "date": harness.now(),
+            "machine": harness.machine(),
             "memory_bandwidth": self.bandwidth, "weight_bytes": weight_bytes(self.model, DTYPE_BYTES[args.dtype]),
             "model": f"SmolLM2-135M-Instruct ({model_dtype(args)})", "dtype": args.dtype, "reps": args.reps,
             "attention_precision": args.attention_precision,
@@ -393,7 +388,7 @@ class SpeedRun:
         """The report, written to ``--out`` (after every run, so a run that dies keeps its results)."""
         report = self.report()
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
-        self.args.out.write_text(json.dumps(report, indent=2) + "\n")
+        harness.write_json(report, self.args.out)
         return report
 
 
@@ -407,10 +402,7 @@ def one_repetition(report: dict, rep: int) -> dict:
 
 
 def plot(report: dict, path: Path, rep: int | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     figure, (prefill, tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
     curves = one_repetition(report, rep) if rep is not None else {

@@ -23,8 +23,11 @@ import argparse
 import itertools
 import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -111,10 +114,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     plain_numbers = FuncFormatter(lambda value, _: f"{value:g}")
@@ -146,14 +146,14 @@ def plot(runs: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8192, 2048])
     parser.add_argument("--reserved-cores", type=int, nargs="+", default=[None],
                         help="cores vLLM's worker leaves free (default: what engine_kwargs picks)")
     parser.add_argument("--out", type=Path, default=RESULTS / "step_budget.json")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG and print the table of --out, and stop")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.replot:
         runs = json.loads(args.out.read_text())["runs"]
         plot(runs, args.out.with_suffix(".png"))
@@ -164,8 +164,8 @@ def main() -> int:
         print(f"step budget {budget}, reserved cores {reserved if reserved is not None else 'default'}: "
               "starting a server and the load test", flush=True)
         runs.append(run_config(budget, reserved, args.out.parent))
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "workload": WORKLOAD, "runs": runs}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    result = {"date": harness.now(), "workload": WORKLOAD, "runs": runs}
+    harness.write_json(result, args.out)
     plot(runs, args.out.with_suffix(".png"))
     print(table(runs))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
@@ -173,5 +173,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

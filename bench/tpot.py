@@ -15,18 +15,15 @@ are bench/speed.py's. Writes bench/results/tpot[_<dtype>].json (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import speed  # noqa: E402
+from bench import harness, speed  # noqa: E402
 from bench.speed import CONFIGS, TARGETS, SideBySide, kilo, rotated  # noqa: E402
 
 
@@ -50,7 +47,7 @@ def measure(engines: SideBySide, lengths: list[int], reps: int, decode_tokens: i
                     bar.set_postfix(length=n, config=config)
                     bar.update()
             report = summary(samples, head)
-            out.write_text(json.dumps(report, indent=2) + "\n")
+            harness.write_json(report, out)
     return report
 
 
@@ -58,7 +55,7 @@ def summary(samples: dict[str, dict[str, list[float]]], head: dict) -> dict:
     """Medians, ratios to stock's median and the samples (seconds per token), by configuration and length."""
     median = {c: {n: statistics.median(v) for n, v in by_length.items()} for c, by_length in samples.items()}
     ratio = {c: {n: median[c][n] / median["stock"][n] for n in median[c]} for c in CONFIGS if c != "stock"}
-    return {**head, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    return {**head, "date": harness.now(),
             "median": median, "ratio_to_stock": ratio, "samples": samples}
 
 
@@ -81,7 +78,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--reps", type=int, default=7)
@@ -89,7 +86,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=list(speed.DTYPE_BYTES), default="bfloat16")
     speed.add_attention_precision(parser)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = args.out or speed.RESULTS / f"tpot_{args.dtype}.json"
     from rope_plugins.server.provision import provision_default_model
 
@@ -97,7 +94,7 @@ def main() -> None:
     engines = SideBySide.for_tokens(model, max(args.lengths) + args.decode_tokens + 64, args.dtype,
                                     args.attention_precision)
     engines.warm_up()
-    head = {"machine": f"{speed.cpu_model()}, {os.cpu_count()} cores",
+    head = {"machine": harness.machine(),
             "model": f"SmolLM2-135M-Instruct ({speed.model_dtype(args)})", "dtype": args.dtype,
             "attention_precision": args.attention_precision, "reps": args.reps, "decode_tokens": args.decode_tokens,
             "lengths": args.lengths}

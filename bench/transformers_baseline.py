@@ -19,13 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from rope_plugins.testing.reference import UnrotatedRotaryEmbedding
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ATTENTION_NAME = "rerope_reference_style"
@@ -129,13 +133,13 @@ def markdown(report: dict) -> str:
             f"(target {TARGET_SPEEDUP}x: {met}); the {report['new_tokens']} greedy tokens are {tokens}.")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=RESULTS / "transformers_baseline.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rope_plugins.server.provision import provision_default_model
 
@@ -148,14 +152,14 @@ def main() -> None:
     baseline_tokens, baseline_seconds = baseline_generate(model_dir, ids, args.new_tokens, args.window)
     same = next((i for i, (a, b) in enumerate(zip(plugin_tokens, baseline_tokens)) if a != b), None)
     report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": harness.now(),
         "length": args.length, "new_tokens": args.new_tokens, "window": args.window,
         "plugin_seconds": plugin_seconds, "baseline_seconds": baseline_seconds,
         "speedup": baseline_seconds / plugin_seconds,
         "identical_tokens": same is None, "first_difference": same,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_json(report, args.out)
     print(json.dumps(report, indent=2))
 
 
