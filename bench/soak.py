@@ -1,30 +1,126 @@
-"""Soak: the server at its default limits under a steady load of long prompts for a long time
-(20 minutes by default), watching that nothing leaks and nothing fails.
+"""Soak: the server as ``make run`` starts it (under its supervisor), an hour of clients that use
+everything at once, watching that nothing fails, nothing restarts and nothing leaks.
 
-    .venv/bin/python bench/soak.py                      # 20 minutes, writes bench/results/soak.{json,png}
-    .venv/bin/python bench/soak.py --minutes 2 --out /tmp/soak.json
+    .venv/bin/python bench/soak.py                      # 60 minutes, writes bench/results/soak.{json,png}
+    .venv/bin/python bench/soak.py --minutes 3 --out /tmp/soak.json
 
-Starts ``python -m rope_plugins.server`` with ``make run``'s settings (only the log level lowered), runs
-deploy/loadtest.py against it (prompts of 1k-16k tokens, past the 8k training length, four at
-a time, a mix of methods) and samples the resident memory of the server and its engine
-processes every few seconds. Reports the load test's figures (error rate, TTFT, the p99 gap
-between tokens), the RSS over time and its growth over the second half of the run (after
-warm-up: compiled graphs, allocator pools), and a PNG of both.
+Four clients per running sequence the server holds (``--max-num-seqs``) send request after
+request: prompts of 1,024 tokens up to the served maximum (density proportional to 1/length², so
+that a long prompt, whose prefill costs as its square, is as rare as it is dear: 3% of them over
+16k; windows of CPython's documentation), every method of ``context_extension`` and ``auto``, chat and completions, some
+with a ``seed``, a JSON schema or a forced tool call, most streamed, and a quarter of the
+streams dropped midway. The resident memory of the supervisor's process tree is sampled every
+few seconds. The report: answers by status (no 5xx allowed), the supervisor's restarts (none
+allowed), the RSS slope over the second half with its 95% interval, and TTFT and time per
+output token at p50 and p99 in windows of the run, plotted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+
+from bench import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-WORKLOAD = ["--concurrency", "4", "--prompt-lengths", "1024,4096,8192,16384", "--output-tokens", "32",
-            "--mix", "auto=1,rerope=1,leaky_rerope=1,ntk_mixed=1", "--requests", "100000"]
+MODEL = "SmolLM2-135M-Instruct"
+RUNNING = 8  # make run's --max-num-seqs
+CLIENTS = 4 * RUNNING
+SERVED = 32768  # make run's --max-model-len
+OUTPUT_TOKENS = 24
+METHODS = ["auto", "none", "rerope", "leaky_rerope", "self_extend", "string", "dual_chunk", "ntk_old", "ntk_fixed",
+           "ntk_mixed", "ntk_dynamic", "pi", "yarn"]
+SCHEMA = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 24}}, "required": ["topic"]}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"term": {"type": "string", "maxLength": 24}}, "required": ["term"]}}}
+WINDOW_MINUTES = 5
+
+
+def prompt_length(rng: random.Random, shortest: int = 1024, longest: int = SERVED - 128) -> int:
+    """A length with density proportional to 1/length² on [shortest, longest]: the inverse of its CDF."""
+    return int(shortest / rng.uniform(shortest / longest, 1.0))
+
+
+def draw_request(rng: random.Random, tokens: list[int], tokenizer) -> tuple[str, dict[str, Any], bool, int]:
+    """(route, body, abandon midway, prompt tokens) of one client's next request."""
+    length = prompt_length(rng)
+    start = rng.randrange(0, len(tokens) - length)
+    text = tokenizer.decode(tokens[start:start + length])
+    extension = {"method": rng.choice(METHODS), **({"log_n": True} if rng.random() < 0.3 else {})}
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": OUTPUT_TOKENS, "temperature": rng.choice([0.0, 0.8]),
+                            "context_extension": extension, "stream": rng.random() < 0.8}
+    if body["temperature"] and rng.random() < 0.5:
+        body["seed"] = rng.randrange(2**31)
+    if body["stream"]:
+        body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.3:
+        return "/v1/completions", {**body, "prompt": text}, body["stream"] and rng.random() < 0.25, length
+    body["messages"] = [{"role": "user", "content": text + "\n\nWhat is this text about?"}]
+    roll = rng.random()
+    if roll < 0.2:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "about", "schema": SCHEMA}}
+    elif roll < 0.35:
+        body.update(tools=[TOOL], tool_choice="required", max_tokens=48)
+    return "/v1/chat/completions", body, body["stream"] and rng.random() < 0.25, length
+
+
+def measure(client, route: str, body: dict[str, Any], abandon: bool) -> dict[str, Any]:
+    """One request: its status, whether the server failed it, TTFT and time per output token (streams)."""
+    began = time.monotonic()
+    record = {"t_s": None, "route": route, "method": body["context_extension"]["method"], "stream": body["stream"],
+              "abandoned": False, "status": None, "server_error": False, "ttft_s": None, "tpot_s": None}
+    if not body["stream"]:
+        response = client.post(route, json=body)
+        record.update(status=response.status_code, server_error=response.status_code >= 500)
+        return record
+    with client.stream("POST", route, json=body) as response:
+        record["status"] = response.status_code
+        first = last = None
+        chunks = 0
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                record["server_error"] = event["error"].get("type") == "server_error"
+                break
+            if event.get("choices"):
+                now = time.monotonic()
+                first, last, chunks = first or now, now, chunks + 1
+                if abandon and chunks >= 3:
+                    record["abandoned"] = True
+                    break
+        record["server_error"] = record["server_error"] or response.status_code >= 500
+    if first is not None:
+        record["ttft_s"] = round(first - began, 3)
+        record["tpot_s"] = round((last - first) / (chunks - 1), 4) if chunks > 1 else None
+    return record
+
+
+def client_loop(base: str, seed: int, deadline: float, began: float, tokens, tokenizer, records: list) -> None:
+    import httpx
+
+    rng = random.Random(seed)
+    with httpx.Client(base_url=base, timeout=7200) as client:
+        while time.monotonic() < deadline:
+            route, body, abandon, length = draw_request(rng, tokens, tokenizer)
+            sent = time.monotonic() - began
+            try:
+                record = measure(client, route, body, abandon)
+            except httpx.HTTPError as error:
+                record = {"route": route, "status": None, "server_error": True, "error": repr(error)}
+            records.append({**record, "t_s": round(sent, 1), "prompt_tokens": length})
 
 
 def tree_rss(pid: int) -> float:
@@ -43,107 +139,154 @@ def tree_rss(pid: int) -> float:
 
 def sample_memory(pid: int, every: float, stop: threading.Event, began: float, samples: list[dict]) -> None:
     while not stop.wait(every):
-        samples.append({"t_s": round(time.perf_counter() - began, 1), "rss_mib": round(tree_rss(pid), 1)})
+        samples.append({"t_s": round(time.monotonic() - began, 1), "rss_mib": round(tree_rss(pid), 1)})
 
 
-def growth_mib_per_hour(samples: list[dict]) -> float:
-    """Least-squares slope of RSS over the second half of the run."""
+def rss_slope(samples: list[dict]) -> dict[str, float]:
+    """Least-squares slope of RSS over the second half of the run (after warm-up), MiB per hour,
+    with its 95% interval."""
+    from scipy import stats
+
     half = [s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 2]
-    if len(half) < 2:
-        return 0.0
-    mean_t = sum(s["t_s"] for s in half) / len(half)
-    mean_m = sum(s["rss_mib"] for s in half) / len(half)
-    slope = (sum((s["t_s"] - mean_t) * (s["rss_mib"] - mean_m) for s in half)
-             / sum((s["t_s"] - mean_t) ** 2 for s in half))
-    return slope * 3600
+    fit = stats.linregress([s["t_s"] / 3600 for s in half], [s["rss_mib"] for s in half])
+    margin = stats.t.ppf(0.975, len(half) - 2) * fit.stderr
+    return {"mib_per_hour": round(fit.slope, 1), "low": round(fit.slope - margin, 1),
+            "high": round(fit.slope + margin, 1), "samples": len(half)}
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else None
+
+
+def windows(records: list[dict], minutes: float) -> list[dict]:
+    """TTFT and time per output token at p50 and p99, by WINDOW_MINUTES of sending time."""
+    rows = []
+    for start in range(0, int(math.ceil(minutes)), WINDOW_MINUTES):
+        inside = [r for r in records if start * 60 <= r["t_s"] < (start + WINDOW_MINUTES) * 60]
+        ttft = [r["ttft_s"] for r in inside if r.get("ttft_s") is not None]
+        tpot = [r["tpot_s"] for r in inside if r.get("tpot_s") is not None]
+        rows.append({"from_min": start, "requests": len(inside),
+                     "ttft_p50": quantile(ttft, 0.5), "ttft_p99": quantile(ttft, 0.99),
+                     "tpot_p50": quantile(tpot, 0.5), "tpot_p99": quantile(tpot, 0.99)})
+    return rows
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
+    plt = harness.pyplot()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from rope_plugins.deploy import loadtest
-
-    figure, (memory, gaps) = plt.subplots(1, 2, figsize=(11, 4.2))
-    samples = report["rss"]
+    figure, (memory, ttft, tpot) = plt.subplots(1, 3, figsize=(14, 4.2))
+    samples, slope = report["rss"], report["rss_slope"]
     memory.plot([s["t_s"] / 60 for s in samples], [s["rss_mib"] for s in samples])
-    memory.set(xlabel="minutes", ylabel="MiB", title=f"RSS, server + engine ({report['rss_growth_mib_per_hour']:+.0f} "
-                                                      "MiB/h over the second half)")
-    loadtest.draw_tpot(gaps, report["load"]["requests"])
-    gaps.set_title(f"time per output token (ITL p99 {report['load']['itl_s']['p99'] * 1000:.0f} ms)")
-    gaps.legend(fontsize=8)
-    for axis in (memory, gaps):
+    memory.set(xlabel="minutes", ylabel="MiB", title=f"RSS: {slope['mib_per_hour']:+.0f} MiB/h "
+                                                      f"[{slope['low']:+.0f}, {slope['high']:+.0f}] (second half)")
+    middle = [w["from_min"] + WINDOW_MINUTES / 2 for w in report["windows"]]
+    for axis, name, unit in ((ttft, "ttft", "s"), (tpot, "tpot", "s")):
+        for q, style in (("p50", "-o"), ("p99", "--o")):
+            axis.plot(middle, [w[f"{name}_{q}"] for w in report["windows"]], style, label=q)
+        axis.set(xlabel="minutes", ylabel=unit, title="time to first token" if name == "ttft" else
+                 "time per output token")
+        axis.legend()
+    for axis in (memory, ttft, tpot):
         axis.grid(alpha=0.3)
-    load = report["load"]
-    figure.suptitle(f"soak: {report['minutes']:.0f} min, {load['completed']} done, {load['failed']} failed "
-                    f"(error rate {load['error_rate']:.1%}), {load['machine']}")
+    figure.suptitle(f"soak: {report['minutes']:.0f} min, {report['clients']} clients, {report['requests']} requests, "
+                    f"{report['server_errors']} 5xx, {report['restarts']} restarts")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
 def markdown(report: dict) -> str:
     """soak.json as bench/README.md shows it."""
-    load, c = report["load"], report["load"]["config"]
-    ttft, itl = load["ttft_s"], load["itl_s"]
-    rows = [("requests done / failed", f"{load['completed']} / {load['failed']} (error rate {load['error_rate']:.1%}) "
-                                       f"in {report['minutes']:.0f} min"),
-            ("RSS, server + engine", f"{report['rss_start_mib']:.0f} MiB at the start, "
-                                     f"{report['rss_peak_mib']:.0f} peak, {report['rss_end_mib']:.0f} at the end"),
-            ("RSS trend, second half", f"{report['rss_growth_mib_per_hour']:+.0f} MiB/h"),
-            ("time to first token", f"median {ttft['median']:.0f} s, p99 {ttft['p99']:.0f} s"),
-            ("gap between tokens", f"median {itl['median']:.2f} s, p90 {itl['p90']:.1f} s, p99 {itl['p99']:.1f} s"),
-            ("server alive at the end", "yes" if report["server_alive_at_end"] else "no")]
-    lengths = ", ".join(f"{n:,}" for n in c["prompt_lengths"])
-    return (f"Measured {report['date'][:10]} on {load['machine']} ({load['model']}, {report['server_flags']}): "
-            f"prompts of {lengths} tokens, {c['concurrency']} at a time, mix `{c['mix']}`, {c['output_tokens']} "
-            "output tokens each:\n\n| measured | value |\n| --- | --- |\n"
-            + "\n".join(f"| {name} | {value} |" for name, value in rows))
+    slope = report["rss_slope"]
+    statuses = ", ".join(f"{status}: {count:,}" for status, count in report["answers_by_status"].items())
+    rows = [("requests sent", f"{report['requests']:,} in {report['minutes']:.0f} min ({statuses}); "
+                              f"{report['abandoned']} streams dropped midway on purpose"),
+            ("longest prompt sent", f"{max(report['prompt_tokens']):,} tokens (served maximum {SERVED:,})"),
+            ("answered 5xx", f"{report['server_errors']}"), ("engine restarts", f"{report['restarts']}"),
+            ("tracebacks in the server's log", f"{report['tracebacks_in_log']}"),
+            ("RSS, supervisor + server + engine",
+             f"{report['rss_start_mib']:.0f} MiB at the start, {report['rss_peak_mib']:.0f} peak, "
+             f"{report['rss_end_mib']:.0f} at the end"),
+            ("RSS slope, second half", f"{slope['mib_per_hour']:+.0f} MiB/h, 95% interval [{slope['low']:+.0f}, "
+                                       f"{slope['high']:+.0f}] ({slope['samples']} samples)")]
+    table = ["| minutes | requests | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    seconds = lambda value: "-" if value is None else f"{value:.2f} s"  # noqa: E731
+    table += [f"| {w['from_min']}-{w['from_min'] + WINDOW_MINUTES} | {w['requests']} | "
+              + " | ".join(seconds(w[key]) for key in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")) + " |"
+              for w in report["windows"]]
+    summary = "\n".join(f"| {name} | {value} |" for name, value in rows)
+    return (f"Measured {report['date'][:10]} ({MODEL}, make run's defaults under its supervisor): {report['clients']} "
+            "clients, prompts of 1,024 tokens to the served maximum (density ∝ 1/length²), every method, seeds, JSON "
+            "schemas, forced tool calls, streams (a quarter dropped midway):\n\n| measured | value |\n| --- | --- |\n"
+            f"{summary}\n\nBy sending time:\n\n" + "\n".join(table))
+
+
+def follow(threads: list[threading.Thread], records: list[dict], samples: list[dict], began: float,
+           minutes: float, drain_s: float = 900) -> None:
+    """Wait for the clients: the sending time, then up to ``drain_s`` for the answers in flight, with a
+    progress bar of minutes and the counts so far."""
+    from tqdm import tqdm
+
+    with tqdm(total=round(minutes), desc="soak", unit="min") as bar:
+        while any(t.is_alive() for t in threads) and time.monotonic() < began + minutes * 60 + drain_s:
+            time.sleep(5)
+            bar.n = min(round(minutes), int((time.monotonic() - began) / 60))
+            bar.set_postfix(answered=len(records), server_errors=sum(r["server_error"] for r in records),
+                            rss_mib=samples[-1]["rss_mib"], clients=sum(t.is_alive() for t in threads))
+
+
+def run(minutes: float, clients: int, sample_seconds: float, out: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from rope_plugins.deploy.corpus import load_corpus
+    from rope_plugins.server.catalog import DEFAULT_MODEL
+    from rope_plugins.server.provision import provision
+    from rope_plugins.testing.launcher import start_server
+
+    tokenizer = AutoTokenizer.from_pretrained(str(provision(DEFAULT_MODEL)))
+    tokens = tokenizer(load_corpus("pydoc"), add_special_tokens=False)["input_ids"]
+    log = out.with_name(out.stem + "_server.log")
+    server = start_server(["--log-level", "warning"], log, supervised=True)
+    records, samples, stop = [], [], threading.Event()
+    began = time.monotonic()
+    samples.append({"t_s": 0.0, "rss_mib": round(tree_rss(server.process.pid), 1)})
+    sampler = threading.Thread(target=sample_memory, args=(server.process.pid, sample_seconds, stop, began, samples),
+                               daemon=True)
+    sampler.start()
+    threads = [threading.Thread(target=client_loop, args=(server.base, seed, began + minutes * 60, began, tokens,
+                                                          tokenizer, records), daemon=True) for seed in range(clients)]
+    for thread in threads:
+        thread.start()
+    follow(threads, records, samples, began, minutes)
+    stop.set()
+    unfinished = sum(thread.is_alive() for thread in threads)
+    server.stop()
+    text = log.read_text()
+    return {"date": harness.now(), "minutes": minutes, "clients": clients,
+            "requests": len(records), "prompt_tokens": [r["prompt_tokens"] for r in records],
+            "answers_by_status": dict(Counter(str(r["status"]) for r in records)),
+            "server_errors": sum(r["server_error"] for r in records), "abandoned": sum(r.get("abandoned", False)
+                                                                                      for r in records),
+            "unfinished_at_the_end": unfinished, "restarts": text.count("starting it again"),
+            "tracebacks_in_log": text.count("Traceback"), "rss_start_mib": samples[0]["rss_mib"],
+            "rss_peak_mib": max(s["rss_mib"] for s in samples), "rss_end_mib": samples[-1]["rss_mib"],
+            "rss_slope": rss_slope(samples), "windows": windows(records, minutes), "rss": samples, "records": records}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--clients", type=int, default=CLIENTS)
     parser.add_argument("--sample-seconds", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from rope_plugins.deploy import loadtest
-    from rope_plugins.testing.launcher import running_server
-
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    load_path = args.out.with_name(args.out.stem + "_load.json")
-    samples: list[dict] = []
-    stop = threading.Event()
-    with running_server(["--log-level", "warning"], args.out.with_name(args.out.stem + "_server.log")) as server:
-        began = time.perf_counter()
-        samples.append({"t_s": 0.0, "rss_mib": round(tree_rss(server.process.pid), 1)})
-        sampler = threading.Thread(target=sample_memory, args=(server.process.pid, args.sample_seconds, stop, began,
-                                                                samples), daemon=True)
-        sampler.start()
-        try:
-            loadtest.main(["--url", server.base, *WORKLOAD, "--duration", str(args.minutes * 60),
-                           "--out", str(load_path)])
-        finally:
-            stop.set()
-            sampler.join()
-        healthy_after = server.process.poll() is None
-    load = json.loads(load_path.read_text())
-    load_path.unlink()
-    load_path.with_suffix(".png").unlink()
-    report = {"date": load["date"], "minutes": (time.perf_counter() - began) / 60, "workload": WORKLOAD,
-              "server_flags": "make run's defaults, --log-level warning", "server_alive_at_end": healthy_after,
-              "rss_start_mib": samples[0]["rss_mib"], "rss_peak_mib": max(s["rss_mib"] for s in samples),
-              "rss_end_mib": samples[-1]["rss_mib"], "rss_growth_mib_per_hour": round(growth_mib_per_hour(samples), 1),
-              "rss": samples, "load": load}
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report = run(args.minutes, args.clients, args.sample_seconds, args.out)
+    harness.write_json(report, args.out)
     plot(report, args.out.with_suffix(".png"))
-    print(loadtest.summary(load))
-    print(f"RSS {report['rss_start_mib']:.0f} -> {report['rss_end_mib']:.0f} MiB (peak {report['rss_peak_mib']:.0f}), "
-          f"{report['rss_growth_mib_per_hour']:+.1f} MiB/h over the second half")
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
-    return 0 if load["completed"] and not load["failed"] else 1
+    print(markdown(report))
+    return 0 if not report["server_errors"] and not report["restarts"] and not report["tracebacks_in_log"] else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""bench/soak.py: the prompt lengths follow their law, the memory slope's interval holds the truth,
+and the windows and the report render."""
+
+from __future__ import annotations
+
+import random
+
+from bench import soak
+
+
+def test_prompt_lengths_span_the_served_range_with_long_ones_rare():
+    rng = random.Random(0)
+    lengths = [soak.prompt_length(rng) for _ in range(20000)]
+    assert 1024 <= min(lengths) and max(lengths) <= soak.SERVED - 128
+    over_16k = sum(length > 16384 for length in lengths) / len(lengths)
+    # density 1/L² on [1024, 32640]: P(L > 16384) = (1/16384 - 1/32640) / (1/1024 - 1/32640) = 3.1%
+    assert 0.025 < over_16k < 0.037
+    assert sum(length > 30000 for length in lengths) > 0, "the served maximum's neighbourhood is reached"
+
+
+def test_memory_slope_interval_holds_a_known_leak_and_excludes_zero():
+    rng = random.Random(1)
+    samples = [{"t_s": t, "rss_mib": 5000 + 100 * t / 3600 + rng.gauss(0, 20)} for t in range(0, 3600, 5)]
+    slope = soak.rss_slope(samples)
+    assert slope["low"] < 100 < slope["high"] and slope["low"] > 0
+    flat = soak.rss_slope([{"t_s": s["t_s"], "rss_mib": 5000 + rng.gauss(0, 20)} for s in samples])
+    assert flat["low"] < 0 < flat["high"]
+
+
+def test_windows_and_report_render():
+    records = [{"t_s": 30.0 * i, "status": 200, "server_error": False, "abandoned": i % 4 == 0,
+                "ttft_s": 1.0 + i, "tpot_s": 0.1} for i in range(20)]
+    windows = soak.windows(records, minutes=10)
+    assert [w["requests"] for w in windows] == [10, 10]
+    assert windows[0]["ttft_p50"] in (5.0, 6.0) and windows[0]["ttft_p99"] == 10.0
+    samples = [{"t_s": float(t), "rss_mib": 5000.0} for t in range(0, 600, 5)]
+    report = {"date": "2026-11-28T00:00:00+00:00", "minutes": 10, "clients": 32, "requests": 20,
+              "answers_by_status": {"200": 20}, "prompt_tokens": [1024, 30000],
+              "tracebacks_in_log": 0, "server_errors": 0, "abandoned": 5, "restarts": 0,
+              "rss_start_mib": 5000, "rss_peak_mib": 5000, "rss_end_mib": 5000, "rss_slope": soak.rss_slope(samples),
+              "windows": windows}
+    text = soak.markdown(report)
+    assert "| 0-5 | 10 |" in text and "| answered 5xx | 0 |" in text
