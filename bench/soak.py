@@ -155,8 +155,9 @@ def rss_slope(samples: list[dict]) -> dict[str, float]:
 
 
 def quantile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else None
+    from rope_plugins.deploy.loadtest import nearest_rank
+
+    return nearest_rank(sorted(values), q) if values else None
 
 
 def windows(records: list[dict], minutes: float) -> list[dict]:
@@ -263,7 +264,7 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path) -> dict:
     unfinished = sum(thread.is_alive() for thread in threads)
     server.stop()
     text = log.read_text()
-    return {"date": harness.now(), "minutes": minutes, "clients": clients,
+    return {**harness.header(), "minutes": minutes, "clients": clients,
             "requests": len(records), "prompt_tokens": [r["prompt_tokens"] for r in records],
             "answers_by_status": dict(Counter(str(r["status"]) for r in records)),
             "server_errors": sum(r["server_error"] for r in records), "abandoned": sum(r.get("abandoned", False)

@@ -72,15 +72,17 @@ def require_loopback(url: str) -> None:
         sys.exit(f"loadtest: refusing {host!r}: this tool only loads a server on this machine (loopback)")
 
 
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The value at quantile ``q`` of sorted, non-empty ``ordered``, by nearest rank."""
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "median": None, "p90": None, "p99": None}
     ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p90": at(0.9), "p99": at(0.99)}
+    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered),
+            "p90": nearest_rank(ordered, 0.9), "p99": nearest_rank(ordered, 0.99)}
 
 
 async def one_request(client, model: str, prompt: list[int], settings: dict, output_tokens: int,
