@@ -30,33 +30,79 @@ TINY_ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32"
                    kv_cache_memory_bytes=1 << 27, seed=0)
 
 
+# Engines whose core lives in the test's process (by ``id``): they share the process's distributed
+# state (a world of one), which vLLM's core tears down when it shuts down.
+IN_PROCESS_ENGINES: dict[int, object] = {}
+
+
 @contextlib.contextmanager
 def shut_down_after(llm):
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
+        if IN_PROCESS_ENGINES.pop(id(llm), None) is not None and IN_PROCESS_ENGINES:
+            share_a_world_of_one(next(iter(IN_PROCESS_ENGINES.values())))
 
 
-def running_engine(model_dir, defaults=ENGINE_DEFAULTS, **engine):
+def share_a_world_of_one(survivor) -> None:
+    """The distributed state a single CPU worker sets up (vLLM's ``init_worker_distributed_environment``
+    for one process, gloo), again, for the engines still in this process (``survivor``: one of them)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.utils.network_utils import get_distributed_init_method, get_loopback_ip, get_open_port
+
+    with set_current_vllm_config(survivor.llm_engine.vllm_config):
+        init_distributed_environment(1, 0, get_distributed_init_method(get_loopback_ip(), get_open_port()), 0, "gloo")
+        ensure_model_parallel_initialized(1, 1)
+
+
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def start_in_this_process(**kwargs):
+    """``vllm.LLM(**kwargs)`` with its engine core in the test's process: a spawned core costs
+    each start and stop a fresh interpreter that imports vLLM. The variable is set only while
+    the engine is built, so servers the tests start later keep vLLM's own process layout; and the
+    core's freezing of vLLM's environment variables once built is undone, so that later tests and
+    engines read them afresh. (Its freezing of the garbage collector's heap it undoes itself when
+    it shuts down.)"""
+    from vllm import LLM, envs
+
+    previous = os.environ.get(IN_PROCESS_ENV)
+    os.environ[IN_PROCESS_ENV] = "0"
+    try:
+        llm = LLM(**kwargs)
+        IN_PROCESS_ENGINES[id(llm)] = llm
+        return llm
+    finally:
+        if previous is None:
+            os.environ.pop(IN_PROCESS_ENV)
+        else:
+            os.environ[IN_PROCESS_ENV] = previous
+        envs.disable_envs_cache()
+
+
+def running_engine(model_dir, defaults=ENGINE_DEFAULTS, in_process=True, **engine):
     """The plugin's engine on ``model_dir`` (the test defaults, overridden by ``engine``; None
-    ``defaults``: the checkpoint's own), shut down on exit."""
+    ``defaults``: the checkpoint's own), shut down on exit. One worker runs in the test's
+    process unless ``in_process`` is False; several (tensor parallelism) are vLLM's own processes."""
     from vllm import LLM
 
     from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs
 
-    compute_on_every_core(int(engine.get("tensor_parallel_size", 1)))
+    workers = int(engine.get("tensor_parallel_size", 1))
+    compute_on_every_core(workers)
     kwargs = engine_kwargs(str(model_dir), defaults=defaults, max_model_len=MAX_MODEL_LEN,
                            **{**TINY_ENGINE, **engine})
-    return shut_down_after(LLM(**kwargs))
+    return shut_down_after(start_in_this_process(**kwargs) if in_process and workers == 1 else LLM(**kwargs))
 
 
 def stock_engine(model_dir, **engine):
     """Stock vLLM on ``model_dir`` up to its training length (the test defaults, overridden by
-    ``engine``), shut down on exit."""
-    from vllm import LLM
-
-    return shut_down_after(LLM(model=str(model_dir), max_model_len=TRAIN_LENGTH, **{**TINY_ENGINE, **engine}))
+    ``engine``), in the test's process, shut down on exit."""
+    return shut_down_after(start_in_this_process(model=str(model_dir), max_model_len=TRAIN_LENGTH,
+                                                 **{**TINY_ENGINE, **engine}))
 
 
 @pytest.fixture(scope="session")
@@ -89,9 +135,10 @@ def chunked_engine(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def triton_engine(tiny_llama_dir):
     """The Triton kernels (rope_plugins/ops/gpu.py) in the engine, on CPU tensors under Triton's
-    interpreter; prompts in chunks of 128 tokens."""
-    with running_engine(tiny_llama_dir, attention_ops="triton", max_num_batched_tokens=128, max_num_seqs=16,
-                        enable_chunked_prefill=True) as llm:
+    interpreter; prompts in chunks of 128 tokens. In vLLM's own engine process: the interpreter
+    runs several times slower in the test's process."""
+    with running_engine(tiny_llama_dir, in_process=False, attention_ops="triton", max_num_batched_tokens=128,
+                        max_num_seqs=16, enable_chunked_prefill=True) as llm:
         yield llm
 
 

@@ -25,9 +25,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# The longest to compile first (the bindings carry pybind11 and the extension header), so that the
+# build's parallel jobs end together.
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
-           for name in ("decode_attention.cpp", "prefill_attention.cpp", "write_cache.cpp", "cache_layout.cpp",
-                         "bindings.cpp")]
+           for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "write_cache.cpp",
+                         "cache_layout.cpp")]
 # Reassociation lets the compiler vectorise the dot products; inf/nan semantics are kept.
 # ROPE_EXTEND_MARCH: the target CPU (images built for other machines set e.g. x86-64-v3).
 MARCH_ENV = "ROPE_EXTEND_MARCH"

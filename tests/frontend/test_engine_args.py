@@ -112,10 +112,9 @@ def assert_matches_oracle(result: Generation, ids, fields, reference_model, defa
     """The prompt's log-probabilities (when asked), every generated token's log-probability,
     and greedy's choice at every step, against the float64 oracle."""
     settings = parse_settings(fields, defaults)
+    prompt_expected, expected, greedy = reference_model.answer(ids, result.tokens, settings)
     if result.prompt_logprobs is not None:
-        assert_close_logprobs(result.prompt_logprobs, reference_model.prompt_logprobs(ids, settings),
-                              f"{fields} prompt")
-    expected, greedy = reference_model.continuation(ids, result.tokens, settings)
+        assert_close_logprobs(result.prompt_logprobs, prompt_expected, f"{fields} prompt")
     assert result.tokens == greedy, fields
     assert_close_logprobs(result.logprobs, expected, f"{fields} decode")
 
@@ -307,11 +306,11 @@ def test_serving_past_training_length_needs_a_method(tiny_llama_dir):
     assert kwargs["hf_overrides"]["rope_extension"]["train_length"] == 256
 
 
-def test_the_worker_computes_on_every_core(full_engine):
+def test_the_worker_computes_on_every_core(triton_engine):
     """vLLM's CPU worker keeps a core for its scheduler unless told otherwise: half of a 2-core
     machine. compute_on_every_core (called by the fixtures, as by the server's main) tells it
-    not to on small machines, so the worker's threads are
-    pinned across every core this process may use."""
+    not to on small machines, so the worker's threads are pinned across every core this process
+    may use. (The engine whose worker is a process of its own, as the server's is.)"""
     import psutil
 
     cores = os.sched_getaffinity(0)

@@ -27,10 +27,11 @@ def real_model(request):
 
 
 def test_none_equals_stock_vllm_on_real_text(real_model):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs, extension_request
     from rope_plugins.rules.settings import engine_defaults, parse_settings
+    from tests.conftest import start_in_this_process
 
     name, directory = real_model
     from transformers import AutoTokenizer
@@ -41,7 +42,8 @@ def test_none_equals_stock_vllm_on_real_text(real_model):
     compute_on_every_core()
     answers = []
     for plugin in (True, False):
-        llm = LLM(**engine_kwargs(str(directory), **common)) if plugin else LLM(model=str(directory), **common)
+        llm = start_in_this_process(**(engine_kwargs(str(directory), **common) if plugin else
+                                       dict(model=str(directory), **common)))
         try:
             prompt = {"prompt_token_ids": ids}
             if plugin:

@@ -64,12 +64,21 @@ class ReferenceModel:
 
     def prompt_logprobs(self, token_ids: list[int], settings: ExtensionSettings) -> torch.Tensor:
         """log p(token_i | tokens_<i) for i >= 1."""
-        logprobs = self.logits(token_ids, settings).log_softmax(-1)
-        return logprobs[:-1].gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+        return self.answer(token_ids, [], settings)[0]
 
     def continuation(self, token_ids: list[int], generated: list[int],
                      settings: ExtensionSettings) -> tuple[torch.Tensor, list[int]]:
-        """In one forward over ``token_ids + generated``: log p(generated_j | all before it),
-        and the greedy choice after each prefix (what greedy decoding picks at step j)."""
-        logprobs = self.logits(token_ids + generated, settings).log_softmax(-1)[len(token_ids) - 1: -1]
-        return logprobs.gather(1, torch.tensor(generated)[:, None])[:, 0], logprobs.argmax(-1).tolist()
+        """log p(generated_j | all before it), and the greedy choice after each prefix (what
+        greedy decoding picks at step j)."""
+        return self.answer(token_ids, generated, settings)[1:]
+
+    def answer(self, token_ids: list[int], generated: list[int],
+               settings: ExtensionSettings) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """In one forward over ``token_ids + generated`` (attention is causal, so a position's
+        answer never depends on what follows it): the prompt's log-probabilities, the generated
+        tokens' and greedy's choice after each prefix."""
+        logprobs = self.logits(token_ids + generated, settings).log_softmax(-1)
+        following = torch.tensor(token_ids[1:] + generated)[:, None]
+        chosen = logprobs[:-1].gather(1, following)[:, 0]
+        prompt = len(token_ids) - 1
+        return chosen[:prompt], chosen[prompt:], logprobs[prompt:-1].argmax(-1).tolist()

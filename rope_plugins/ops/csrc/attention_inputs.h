@@ -10,7 +10,10 @@
 // with q scaled by its row's query factor (log-n x the method's factor) and the softmax scale.
 #pragma once
 
-#include <torch/extension.h>
+// ATen, not <torch/extension.h>: the kernels need tensors only, and the extension header
+// (pybind11, PyTorch's C++ frontend) would be compiled again in every file. bindings.cpp alone
+// includes PyTorch's Python binding header.
+#include <ATen/ATen.h>
 
 namespace rope_kernels {
 
@@ -23,30 +26,30 @@ constexpr int64_t kDecodeChunk = 512;
 
 // Every decode row of one step (one query each, at m = seq_len - 1): the same for every layer.
 struct DecodeInputs {
-  torch::Tensor query_scale;  // [R] float32: log-n x the method's factor
-  torch::Tensor query_cos;    // [R, 2, d/2] float32: the near angle m theta, then the far angle
-  torch::Tensor query_sin;
-  torch::Tensor block_table;  // [R, nb] int64
-  torch::Tensor seq_lens;     // [R] int64
-  torch::Tensor window;       // [R] int64
-  torch::Tensor band_start;   // [R] int64: the key position of near_cos' first column
-  torch::Tensor near_cos;     // [R, W, d/2]: the band keys' n theta (empty without a band)
-  torch::Tensor near_sin;
-  torch::Tensor far_step_cos;  // [U, S / step, d/2]: far angles of keys 0, step, 2 step, ... per far rule
-  torch::Tensor far_step_sin;
-  torch::Tensor far_offset_cos;  // [U, step, d/2]: far angles of keys 0 .. step - 1
-  torch::Tensor far_offset_sin;
-  torch::Tensor far_table;  // [R] int64: the row's far rule; -1: old keys read raw
+  at::Tensor query_scale;  // [R] float32: log-n x the method's factor
+  at::Tensor query_cos;    // [R, 2, d/2] float32: the near angle m theta, then the far angle
+  at::Tensor query_sin;
+  at::Tensor block_table;  // [R, nb] int64
+  at::Tensor seq_lens;     // [R] int64
+  at::Tensor window;       // [R] int64
+  at::Tensor band_start;   // [R] int64: the key position of near_cos' first column
+  at::Tensor near_cos;     // [R, W, d/2]: the band keys' n theta (empty without a band)
+  at::Tensor near_sin;
+  at::Tensor far_step_cos;  // [U, S / step, d/2]: far angles of keys 0, step, 2 step, ... per far rule
+  at::Tensor far_step_sin;
+  at::Tensor far_offset_cos;  // [U, step, d/2]: far angles of keys 0 .. step - 1
+  at::Tensor far_offset_sin;
+  at::Tensor far_table;  // [R] int64: the row's far rule; -1: old keys read raw
 };
 
 // One prefill row's chunk of L queries at positions context .. context + L - 1: the same for every layer.
 struct PrefillInputs {
-  torch::Tensor query_scale;  // [L] float32: log-n x the method's factor
-  torch::Tensor near_cos;     // [L, d/2]: each query's near angle
-  torch::Tensor near_sin;
-  torch::Tensor far_cos;  // [L, d/2]: each query's far angle
-  torch::Tensor far_sin;
-  torch::Tensor near_from;  // [L] int64: each query's first near key, m - window(m) + 1 (the window follows
+  at::Tensor query_scale;  // [L] float32: log-n x the method's factor
+  at::Tensor near_cos;     // [L, d/2]: each query's near angle
+  at::Tensor near_sin;
+  at::Tensor far_cos;  // [L, d/2]: each query's far angle
+  at::Tensor far_sin;
+  at::Tensor near_from;  // [L] int64: each query's first near key, m - window(m) + 1 (the window follows
                             // the query in dual-chunk attention); keys before it are far
   int64_t context = 0;      // tokens cached before the chunk
   bool banded = false;      // near keys given: false when every key is far
@@ -58,12 +61,12 @@ struct PrefillInputs {
 // `body(Element{})` for the cache's element type: float, c10::BFloat16 or c10::Half (the kernels
 // widen 16-bit keys and values to float32 as they read them).
 template <typename Body>
-auto with_cache_type(const torch::Tensor& kv_cache, const char* name, Body body) {
+auto with_cache_type(const at::Tensor& kv_cache, const char* name, Body body) {
   TORCH_CHECK(kv_cache.stride(3) == 1, name, ": the cache's last dim must be contiguous");
   switch (kv_cache.scalar_type()) {
-    case torch::kFloat32: return body(float{});
-    case torch::kBFloat16: return body(c10::BFloat16{});
-    case torch::kFloat16: return body(c10::Half{});
+    case at::kFloat: return body(float{});
+    case at::kBFloat16: return body(c10::BFloat16{});
+    case at::kHalf: return body(c10::Half{});
     default: TORCH_CHECK(false, name, ": a float32, bfloat16 or float16 cache, not ", kv_cache.scalar_type());
   }
 }
@@ -73,8 +76,8 @@ auto with_cache_type(const torch::Tensor& kv_cache, const char* name, Body body)
 // query [R, H, d] unrotated, unscaled; kv_cache [blocks, kv, bs, 2d] (last dim contiguous). Returns [R, H, d].
 // rounded_once: the far queries rounded once to bfloat16 against a bfloat16 cache's raw keys
 // (ReRoPE's old keys), where they are otherwise two bfloat16 parts.
-torch::Tensor decode_attention(const rope_kernels::DecodeInputs& rows, const torch::Tensor& query,
-                               const torch::Tensor& kv_cache, double scale, bool rounded_once);
+at::Tensor decode_attention(const rope_kernels::DecodeInputs& rows, const at::Tensor& query,
+                               const at::Tensor& kv_cache, double scale, bool rounded_once);
 
 // query [L, H, d] unrotated, unscaled (any token and head strides); near_keys / far_keys
 // [kv, tiles, d, kKeyTile] (cache_key_tiles); values [kv, >= seq_len, d]. Returns [L, H, d].
@@ -82,15 +85,15 @@ torch::Tensor decode_attention(const rope_kernels::DecodeInputs& rows, const tor
 // and granted its tile state.
 bool matrix_tiles_ready();
 
-torch::Tensor prefill_attention(const rope_kernels::PrefillInputs& row, const torch::Tensor& query,
-                                const torch::Tensor& near_keys, const torch::Tensor& far_keys,
-                                const torch::Tensor& values, double scale);
+at::Tensor prefill_attention(const rope_kernels::PrefillInputs& row, const at::Tensor& query,
+                                const at::Tensor& near_keys, const at::Tensor& far_keys,
+                                const at::Tensor& values, double scale);
 
-void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                 const torch::Tensor& slots);
+void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                 const at::Tensor& slots);
 
-torch::Tensor cache_key_tiles(const torch::Tensor& kv_cache, const torch::Tensor& block_ids, int64_t first,
-                              int64_t count, const torch::Tensor& cos, const torch::Tensor& sin, int64_t origin,
+at::Tensor cache_key_tiles(const at::Tensor& kv_cache, const at::Tensor& block_ids, int64_t first,
+                              int64_t count, const at::Tensor& cos, const at::Tensor& sin, int64_t origin,
                               int64_t tiles);
 
-torch::Tensor cache_values(const torch::Tensor& kv_cache, const torch::Tensor& block_ids, int64_t seq_len);
+at::Tensor cache_values(const at::Tensor& kv_cache, const at::Tensor& block_ids, int64_t seq_len);

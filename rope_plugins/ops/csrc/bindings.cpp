@@ -1,5 +1,7 @@
 // The C++ kernels as one extension module (rope_plugins/ops/native.py builds and loads it): the
 // entry points and input structs of attention_inputs.h, and the constants Python checks against.
+#include <torch/python.h>
+
 #include "attention_inputs.h"
 
 namespace py = pybind11;

@@ -14,7 +14,7 @@ namespace {
 constexpr int64_t kTile = rope_kernels::kKeyTile;
 
 template <typename Element>
-inline const Element* cache_row(const Element* cache, const torch::Tensor& kv_cache, const int64_t* blocks, int64_t n,
+inline const Element* cache_row(const Element* cache, const at::Tensor& kv_cache, const int64_t* blocks, int64_t n,
                               int64_t h) {
   const int64_t block_size = kv_cache.size(2);
   return cache + blocks[n / block_size] * kv_cache.stride(0) + h * kv_cache.stride(1) +
@@ -26,15 +26,15 @@ inline const Element* cache_row(const Element* cache, const torch::Tensor& kv_ca
 // Keys at positions first .. first + count - 1 of the sequence whose blocks are block_ids [nb],
 // turned by cos / sin [count, d/2] (none when empty: the raw keys), as tiles [kv, tiles, d, 32]:
 // key n at column (n - origin) % 32 of tile (n - origin) / 32; every other column is zero.
-torch::Tensor cache_key_tiles(const torch::Tensor& kv_cache, const torch::Tensor& block_ids, int64_t first,
-                              int64_t count, const torch::Tensor& cos, const torch::Tensor& sin, int64_t origin,
+at::Tensor cache_key_tiles(const at::Tensor& kv_cache, const at::Tensor& block_ids, int64_t first,
+                              int64_t count, const at::Tensor& cos, const at::Tensor& sin, int64_t origin,
                               int64_t tiles) {
   TORCH_CHECK(first >= origin && first + count <= origin + tiles * kTile, "cache_key_tiles: keys outside the tiles");
   const int64_t kv_heads = kv_cache.size(1), d = kv_cache.size(3) / 2, half = d / 2;
   const bool turn = cos.numel() > 0;
-  auto blocks = block_ids.to(torch::kInt64).contiguous();
+  auto blocks = block_ids.to(at::kLong).contiguous();
   auto cos_c = cos.contiguous(), sin_c = sin.contiguous();
-  auto out = torch::zeros({kv_heads, tiles, d, kTile}, kv_cache.options().dtype(torch::kFloat32));
+  auto out = at::zeros({kv_heads, tiles, d, kTile}, kv_cache.options().dtype(at::kFloat));
   const int64_t* blocks_p = blocks.data_ptr<int64_t>();
   const float* cos_p = turn ? cos_c.data_ptr<float>() : nullptr;
   const float* sin_p = turn ? sin_c.data_ptr<float>() : nullptr;
@@ -67,10 +67,10 @@ torch::Tensor cache_key_tiles(const torch::Tensor& kv_cache, const torch::Tensor
 }
 
 // The values of positions 0 .. seq_len - 1 as [kv, seq_len, d], float32.
-torch::Tensor cache_values(const torch::Tensor& kv_cache, const torch::Tensor& block_ids, int64_t seq_len) {
+at::Tensor cache_values(const at::Tensor& kv_cache, const at::Tensor& block_ids, int64_t seq_len) {
   const int64_t kv_heads = kv_cache.size(1), d = kv_cache.size(3) / 2;
-  auto blocks = block_ids.to(torch::kInt64).contiguous();
-  auto out = torch::empty({kv_heads, seq_len, d}, kv_cache.options().dtype(torch::kFloat32));
+  auto blocks = block_ids.to(at::kLong).contiguous();
+  auto out = at::empty({kv_heads, seq_len, d}, kv_cache.options().dtype(at::kFloat));
   const int64_t* blocks_p = blocks.data_ptr<int64_t>();
   float* out_p = out.data_ptr<float>();
   rope_kernels::with_cache_type(kv_cache, "cache_values", [&](auto element) {

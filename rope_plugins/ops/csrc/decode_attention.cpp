@@ -88,7 +88,7 @@ struct DecodeItem {
   int64_t r, h, chunk, first, last, partial;
 };
 
-const float* data_or_null(const torch::Tensor& table) { return table.numel() ? table.data_ptr<float>() : nullptr; }
+const float* data_or_null(const at::Tensor& table) { return table.numel() ? table.data_ptr<float>() : nullptr; }
 
 int64_t longest_row(const DecodeInputs& rows) {
   const int64_t* lengths = rows.seq_lens.data_ptr<int64_t>();
@@ -97,8 +97,8 @@ int64_t longest_row(const DecodeInputs& rows) {
   return longest;
 }
 
-void check_inputs(const DecodeInputs& rows, const torch::Tensor& query, const torch::Tensor& kv_cache) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "decode_attention: float32 queries");
+void check_inputs(const DecodeInputs& rows, const at::Tensor& query, const at::Tensor& kv_cache) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "decode_attention: float32 queries");
   for (const auto* tensor : {&rows.query_scale, &rows.query_cos, &rows.query_sin, &rows.block_table, &rows.seq_lens,
                              &rows.window, &rows.band_start, &rows.near_cos, &rows.near_sin, &rows.far_step_cos,
                              &rows.far_step_sin, &rows.far_offset_cos, &rows.far_offset_sin, &rows.far_table})
@@ -107,8 +107,8 @@ void check_inputs(const DecodeInputs& rows, const torch::Tensor& query, const to
   TORCH_CHECK(kDecodeChunk % step == 0, "decode_attention: the far step must divide ", kDecodeChunk);
 }
 
-DecodeView decode_view(const DecodeInputs& rows, const torch::Tensor& query, const torch::Tensor& kv_cache,
-                       double scale, int64_t chunks, torch::Tensor* partials, torch::Tensor& output) {
+DecodeView decode_view(const DecodeInputs& rows, const at::Tensor& query, const at::Tensor& kv_cache,
+                       double scale, int64_t chunks, at::Tensor* partials, at::Tensor& output) {
   DecodeView view{};
   view.query = query.data_ptr<float>();
   view.query_scale = rows.query_scale.data_ptr<float>();
@@ -401,17 +401,17 @@ void merge_chunks(const DecodeView& view, int64_t item) {
 }
 
 template <typename Element, int64_t d>
-torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tensor& query,
-                                     const torch::Tensor& kv_cache, double scale, bool rounded_once) {
+at::Tensor decode_attention_typed(const DecodeInputs& rows, const at::Tensor& query,
+                                     const at::Tensor& kv_cache, double scale, bool rounded_once) {
   check_inputs(rows, query, kv_cache);
   const auto contiguous_query = query.contiguous();
   const int64_t count = query.size(0), heads = query.size(1), kv_heads = kv_cache.size(1);
   const int64_t chunks = (longest_row(rows) + kDecodeChunk - 1) / kDecodeChunk, queries_per_kv = heads / kv_heads;
   // partial results per (row, kv head, chunk): max and sum per query head, and the output sum
-  torch::Tensor partials[] = {torch::empty({count, kv_heads, chunks, queries_per_kv}),
-                              torch::empty({count, kv_heads, chunks, queries_per_kv}),
-                              torch::empty({count, kv_heads, chunks, queries_per_kv, d})};
-  auto output = torch::empty({count, heads, d});
+  at::Tensor partials[] = {at::empty({count, kv_heads, chunks, queries_per_kv}),
+                              at::empty({count, kv_heads, chunks, queries_per_kv}),
+                              at::empty({count, kv_heads, chunks, queries_per_kv, d})};
+  auto output = at::empty({count, heads, d});
   DecodeView view = decode_view(rows, contiguous_query, kv_cache, scale, chunks, partials, output);
   view.rounded_once = rounded_once;
   at::parallel_for(0, count * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -425,8 +425,8 @@ torch::Tensor decode_attention_typed(const DecodeInputs& rows, const torch::Tens
 }
 
 template <int64_t d>
-torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor& query,
-                                   const torch::Tensor& kv_cache, double scale, bool rounded_once) {
+at::Tensor decode_attention_dim(const DecodeInputs& rows, const at::Tensor& query,
+                                   const at::Tensor& kv_cache, double scale, bool rounded_once) {
   return rope_kernels::with_cache_type(kv_cache, "decode_attention", [&](auto element) {
     return decode_attention_typed<decltype(element), d>(rows, query, kv_cache, scale, rounded_once);
   });
@@ -434,7 +434,7 @@ torch::Tensor decode_attention_dim(const DecodeInputs& rows, const torch::Tensor
 
 }  // namespace
 
-torch::Tensor decode_attention(const DecodeInputs& rows, const torch::Tensor& query, const torch::Tensor& kv_cache,
+at::Tensor decode_attention(const DecodeInputs& rows, const at::Tensor& query, const at::Tensor& kv_cache,
                                double scale, bool rounded_once) {
   switch (query.size(2)) {
 #define ROPE_HEAD_DIM(D) \

@@ -80,17 +80,17 @@ struct QueryTile {
   int64_t h, first_query, queries, rows, first_position, last_position, near_from_min, near_from_max;
 };
 
-PrefillView prefill_view(const PrefillInputs& row, const torch::Tensor& query, const torch::Tensor& near_keys,
-                         const torch::Tensor& far_keys, const torch::Tensor& values, double scale,
-                         torch::Tensor& output) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "prefill_attention: float32 only");
+PrefillView prefill_view(const PrefillInputs& row, const at::Tensor& query, const at::Tensor& near_keys,
+                         const at::Tensor& far_keys, const at::Tensor& values, double scale,
+                         at::Tensor& output) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "prefill_attention: float32 only");
   TORCH_CHECK(query.stride(2) == 1 && far_keys.is_contiguous() && values.is_contiguous() &&
                   (!row.banded || near_keys.is_contiguous()) && row.near_from.is_contiguous() &&
                   row.query_scale.is_contiguous() &&
                   row.near_cos.is_contiguous() && row.near_sin.is_contiguous() && row.far_cos.is_contiguous() &&
                   row.far_sin.is_contiguous(),
               "prefill_attention: contiguous inputs");
-  TORCH_CHECK(row.near_from.scalar_type() == torch::kInt64 && row.near_from.numel() == query.size(0),
+  TORCH_CHECK(row.near_from.scalar_type() == at::kLong && row.near_from.numel() == query.size(0),
               "prefill_attention: near_from is [L] int64");
   TORCH_CHECK(query.size(2) % kColumns == 0, "prefill_attention: head size must be a multiple of ", kColumns);
   PrefillView view;
@@ -304,20 +304,20 @@ void attend_query_tile(const PrefillView& view, int64_t item, PrefillScratch& sc
 // An operand as bfloat16 high and low parts (no low parts where the operands are rounded once),
 // and whether any low part is non-zero.
 struct PackedOperand {
-  torch::Tensor high, low;
+  at::Tensor high, low;
   bool has_low = false;
   PackedOperand() = default;
   PackedOperand(int64_t elements, bool rounded_once)
-      : high(torch::empty({elements}, torch::kInt16)), low(torch::empty({rounded_once ? 0 : elements}, torch::kInt16)) {}
+      : high(at::empty({elements}, at::kShort)), low(at::empty({rounded_once ? 0 : elements}, at::kShort)) {}
   // its low parts from element `at`, or null where it has none
   uint16_t* low_at(int64_t at) { return low.numel() ? reinterpret_cast<uint16_t*>(low.data_ptr()) + at : nullptr; }
 };
 
-const uint16_t* bits(const torch::Tensor& packed) { return reinterpret_cast<const uint16_t*>(packed.data_ptr()); }
-uint16_t* bits(torch::Tensor& packed) { return reinterpret_cast<uint16_t*>(packed.data_ptr()); }
+const uint16_t* bits(const at::Tensor& packed) { return reinterpret_cast<const uint16_t*>(packed.data_ptr()); }
+uint16_t* bits(at::Tensor& packed) { return reinterpret_cast<uint16_t*>(packed.data_ptr()); }
 
 // key tiles [kv, tiles, d, 32] as B operands, tile by tile in parallel
-PackedOperand pack_key_operand(const torch::Tensor& key_tiles, bool rounded_once) {
+PackedOperand pack_key_operand(const at::Tensor& key_tiles, bool rounded_once) {
   const int64_t d = key_tiles.size(2), tile_size = d * kColumns;
   PackedOperand packed(key_tiles.numel(), rounded_once);
   std::atomic<bool> has_low{false};
@@ -331,7 +331,7 @@ PackedOperand pack_key_operand(const torch::Tensor& key_tiles, bool rounded_once
 }
 
 // values [kv, S, d] as B operands [kv, S rounded up to whole tiles / 2, d, 2], head by head in parallel
-PackedOperand pack_value_operand(const torch::Tensor& values, int64_t padded, bool rounded_once) {
+PackedOperand pack_value_operand(const at::Tensor& values, int64_t padded, bool rounded_once) {
   const int64_t kv = values.size(0), keys = values.size(1), d = values.size(2);
   PackedOperand packed(kv * padded * d, rounded_once);
   std::atomic<bool> has_low{false};
@@ -346,8 +346,8 @@ PackedOperand pack_value_operand(const torch::Tensor& values, int64_t padded, bo
 }
 
 // the view's operands on matrix tiles; `kept` holds them for the call
-void use_matrix_tiles(PrefillView& view, const torch::Tensor& near_keys, const torch::Tensor& far_keys,
-                      const torch::Tensor& values, std::vector<PackedOperand>& kept) {
+void use_matrix_tiles(PrefillView& view, const at::Tensor& near_keys, const at::Tensor& far_keys,
+                      const at::Tensor& values, std::vector<PackedOperand>& kept) {
   const int64_t padded = whole_key_tiles(values.size(1));
   kept.push_back(pack_key_operand(far_keys, view.rounded_once));
   kept.push_back(pack_value_operand(values, padded, view.rounded_once));
@@ -371,9 +371,9 @@ bool matrix_tiles_ready() {
 #endif
 }
 
-torch::Tensor prefill_attention(const PrefillInputs& row, const torch::Tensor& query, const torch::Tensor& near_keys,
-                                const torch::Tensor& far_keys, const torch::Tensor& values, double scale) {
-  auto output = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+at::Tensor prefill_attention(const PrefillInputs& row, const at::Tensor& query, const at::Tensor& near_keys,
+                                const at::Tensor& far_keys, const at::Tensor& values, double scale) {
+  auto output = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   PrefillView view = prefill_view(row, query, near_keys, far_keys, values, scale, output);
   TORCH_CHECK(!row.matrix_tiles || matrix_tiles_ready(), "prefill_attention: matrix tiles asked for, but this "
               "build or CPU has no AMX (matrix_tiles_ready() is false)");

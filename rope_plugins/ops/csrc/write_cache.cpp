@@ -7,15 +7,15 @@
 
 // key, value [T, kv, d]; kv_cache [blocks, kv, bs, 2d] (any strides, last dim contiguous);
 // slots [T] (block * bs + offset; negative: a padding token, skipped).
-void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                 const torch::Tensor& slots) {
+void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                 const at::Tensor& slots) {
   TORCH_CHECK(kv_cache.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
               "write_cache: one dtype for keys, values and cache");
   TORCH_CHECK(kv_cache.stride(3) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
               "write_cache: last dims must be contiguous");
   const int64_t tokens = key.size(0), kv_heads = key.size(1), d = key.size(2), block_size = kv_cache.size(2);
   const int64_t bytes = d * key.element_size();
-  auto slot = slots.to(torch::kInt64).contiguous();
+  auto slot = slots.to(at::kLong).contiguous();
   const int64_t* slot_p = slot.data_ptr<int64_t>();
   const char* key_p = static_cast<const char*>(key.data_ptr());
   const char* value_p = static_cast<const char*>(value.data_ptr());
