@@ -30,18 +30,48 @@ TINY_ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32"
                    kv_cache_memory_bytes=1 << 27, seed=0)
 
 
-# Engines whose core lives in the test's process (by ``id``): they share the process's distributed
-# state (a world of one), which vLLM's core tears down when it shuts down.
-IN_PROCESS_ENGINES: dict[int, object] = {}
-
-
 @contextlib.contextmanager
 def shut_down_after(llm):
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
-        if IN_PROCESS_ENGINES.pop(id(llm), None) is not None and IN_PROCESS_ENGINES:
+
+
+# Engines whose core lives in the test's process (by ``id``): they share the process's distributed
+# state (a world of one), which vLLM's core tears down when it shuts down.
+IN_PROCESS_ENGINES: dict[int, object] = {}
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextlib.contextmanager
+def engine_in_this_process(**kwargs):
+    """``vllm.LLM(**kwargs)`` with its engine core in the test's process, shut down on exit: a
+    spawned core costs each start and stop a fresh interpreter that imports vLLM. The variable
+    is set only while the engine is built, so servers the tests start later keep vLLM's own
+    process layout; the core's freezing of vLLM's environment variables once built is undone, so
+    that later tests and engines read them afresh (its freezing of the garbage collector's heap
+    it undoes itself when it shuts down); and when it shuts down, the engines still here get
+    their distributed state back."""
+    from vllm import LLM, envs
+
+    previous = os.environ.get(IN_PROCESS_ENV)
+    os.environ[IN_PROCESS_ENV] = "0"
+    try:
+        llm = LLM(**kwargs)
+    finally:
+        if previous is None:
+            os.environ.pop(IN_PROCESS_ENV)
+        else:
+            os.environ[IN_PROCESS_ENV] = previous
+        envs.disable_envs_cache()
+    IN_PROCESS_ENGINES[id(llm)] = llm
+    try:
+        yield llm
+    finally:
+        del IN_PROCESS_ENGINES[id(llm)]
+        llm.llm_engine.engine_core.shutdown()
+        if IN_PROCESS_ENGINES:
             share_a_world_of_one(next(iter(IN_PROCESS_ENGINES.values())))
 
 
@@ -57,32 +87,6 @@ def share_a_world_of_one(survivor) -> None:
         ensure_model_parallel_initialized(1, 1)
 
 
-IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-def start_in_this_process(**kwargs):
-    """``vllm.LLM(**kwargs)`` with its engine core in the test's process: a spawned core costs
-    each start and stop a fresh interpreter that imports vLLM. The variable is set only while
-    the engine is built, so servers the tests start later keep vLLM's own process layout; and the
-    core's freezing of vLLM's environment variables once built is undone, so that later tests and
-    engines read them afresh. (Its freezing of the garbage collector's heap it undoes itself when
-    it shuts down.)"""
-    from vllm import LLM, envs
-
-    previous = os.environ.get(IN_PROCESS_ENV)
-    os.environ[IN_PROCESS_ENV] = "0"
-    try:
-        llm = LLM(**kwargs)
-        IN_PROCESS_ENGINES[id(llm)] = llm
-        return llm
-    finally:
-        if previous is None:
-            os.environ.pop(IN_PROCESS_ENV)
-        else:
-            os.environ[IN_PROCESS_ENV] = previous
-        envs.disable_envs_cache()
-
-
 def running_engine(model_dir, defaults=ENGINE_DEFAULTS, in_process=True, **engine):
     """The plugin's engine on ``model_dir`` (the test defaults, overridden by ``engine``; None
     ``defaults``: the checkpoint's own), shut down on exit. One worker runs in the test's
@@ -95,14 +99,13 @@ def running_engine(model_dir, defaults=ENGINE_DEFAULTS, in_process=True, **engin
     compute_on_every_core(workers)
     kwargs = engine_kwargs(str(model_dir), defaults=defaults, max_model_len=MAX_MODEL_LEN,
                            **{**TINY_ENGINE, **engine})
-    return shut_down_after(start_in_this_process(**kwargs) if in_process and workers == 1 else LLM(**kwargs))
+    return engine_in_this_process(**kwargs) if in_process and workers == 1 else shut_down_after(LLM(**kwargs))
 
 
 def stock_engine(model_dir, **engine):
     """Stock vLLM on ``model_dir`` up to its training length (the test defaults, overridden by
     ``engine``), in the test's process, shut down on exit."""
-    return shut_down_after(start_in_this_process(model=str(model_dir), max_model_len=TRAIN_LENGTH,
-                                                 **{**TINY_ENGINE, **engine}))
+    return engine_in_this_process(model=str(model_dir), max_model_len=TRAIN_LENGTH, **{**TINY_ENGINE, **engine})
 
 
 @pytest.fixture(scope="session")

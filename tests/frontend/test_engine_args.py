@@ -143,11 +143,16 @@ def test_chunked_prefill_matches_one_full_prefill(full_engine, chunked_engine, r
         assert_matches_oracle(chunk_result, ids, fields, reference_model, engine_defaults)
 
 
+# Each method once, half of them with log-n: under the interpreter every request costs seconds,
+# and every variant of METHODS meets the Triton kernels one by one in tests/ops/test_gpu.py.
+TRITON_METHODS = [METHODS[i] for i in (0, 2, 3, 4, 6, 7, 10, 11, 14, 15, 18, 19)]
+
+
 def test_triton_kernels_in_the_engine_match_the_oracle_and_the_cpu_ops(triton_engine, full_engine, reference_model,
                                                                        engine_defaults):
     """Every method in one batch through the Triton kernels (the GPU path, here under Triton's
     interpreter), prefilled in chunks of 128: the oracle's answers, and the CPU ops' to 2e-5."""
-    requests = [(prompt(500 + i, 300 - 5 * i), fields) for i, fields in enumerate(METHODS)]
+    requests = [(prompt(500 + i, 300 - 5 * i), fields) for i, fields in enumerate(TRITON_METHODS)]
     kernels, cpu_ops = run(triton_engine, requests, engine_defaults), run(full_engine, requests, engine_defaults)
     for result, cpu_result, (ids, fields) in zip(kernels, cpu_ops, requests):
         assert_matches_oracle(result, ids, fields, reference_model, engine_defaults)

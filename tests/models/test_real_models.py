@@ -33,27 +33,25 @@ def test_none_equals_stock_vllm_on_real_text(real_model):
 
     from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs, extension_request
     from rope_plugins.rules.settings import engine_defaults, parse_settings
-    from tests.conftest import start_in_this_process
+    from tests.conftest import engine_in_this_process
 
     name, directory = real_model
     from transformers import AutoTokenizer
 
     ids = real_text_ids(AutoTokenizer.from_pretrained(directory), REAL_TEXT_TOKENS)
     params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
-    common = dict(dtype="float32", max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
+    common = dict(dtype="float32", max_model_len=REAL_TEXT_TOKENS + 16, max_num_seqs=1, kv_cache_memory_bytes=1 << 28,
+                  enforce_eager=True, seed=0)
     compute_on_every_core()
     answers = []
     for plugin in (True, False):
-        llm = start_in_this_process(**(engine_kwargs(str(directory), **common) if plugin else
-                                       dict(model=str(directory), **common)))
-        try:
+        with engine_in_this_process(**(engine_kwargs(str(directory), **common) if plugin else
+                                       dict(model=str(directory), **common))) as llm:
             prompt = {"prompt_token_ids": ids}
             if plugin:
                 defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
                 prompt, request_params = extension_request(prompt, params, parse_settings({"method": "none"}, defaults))
             [output] = llm.generate([prompt], request_params if plugin else params, use_tqdm=False)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
         logprobs = [entry[ids[i + 1]].logprob for i, entry in enumerate(output.prompt_logprobs[1:])]
         answers.append((torch.tensor(logprobs, dtype=torch.float64), list(output.outputs[0].token_ids)))
     (ours, our_tokens), (theirs, their_tokens) = answers

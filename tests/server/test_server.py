@@ -71,7 +71,7 @@ def chat(client, text="What is the capital of France?", **extra):
 class Concurrently:
     """A good streaming request running while the test does something bad next to it."""
 
-    def __init__(self, client, tokens=48):
+    def __init__(self, client, tokens=24):
         self.client, self.tokens = client, tokens
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
 
