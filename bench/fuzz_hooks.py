@@ -21,8 +21,8 @@ TOKEN_BOUND = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), 
 
 @schemathesis.hook
 def before_call(context, case, kwargs):
-    """Every phase's bodies (the coverage phase's too, which ``map_body`` never sees). Only values
-    the schema allows are replaced: a negative case must stay invalid."""
+    """Every phase's bodies (the coverage phase's too, which a ``map_body`` hook never sees). Only
+    values the schema allows are replaced: a negative case must stay invalid."""
     body = case.body
     if not isinstance(body, dict):
         return

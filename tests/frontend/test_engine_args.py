@@ -144,7 +144,7 @@ def test_chunked_prefill_matches_one_full_prefill(full_engine, chunked_engine, r
 
 
 # Each method once, half of them with log-n: under the interpreter every request costs seconds,
-# and every variant of METHODS meets the Triton kernels one by one in tests/ops/test_gpu.py.
+# and every method, with and without log-n, meets the Triton kernels in tests/ops/test_gpu.py.
 TRITON_METHODS = [METHODS[i] for i in (0, 2, 3, 4, 6, 7, 10, 11, 14, 15, 18, 19)]
 
 

@@ -53,9 +53,9 @@ def test_the_engine_runs_the_v2_runner_with_the_plugins_model_state(v2_engine):
 
 def test_mixed_methods_in_chunks_match_the_oracle_and_the_v1_runner(v2_engine, full_engine, reference_model,
                                                                     engine_defaults):
-    """Five methods in one batch, prefilled in chunks, against the oracle and against the V1
-    runner prefilling each prompt at once; then the same prompts with the methods shifted by
-    one, in the slots the first batch freed."""
+    """MIXED's methods (the first five on Triton) in one batch, prefilled in chunks, against the
+    oracle and against the V1 runner prefilling each prompt at once; then the same prompts with
+    the methods shifted by one, in the slots the first batch freed."""
     mixed = MIXED if v2_engine.attention_ops == "cpu" else MIXED[:TRITON_MIXED]
     first = [(prompt(700 + i, 300 - 13 * i), fields) for i, fields in enumerate(mixed)]
     second = [(ids, mixed[(i + 1) % len(mixed)]) for i, (ids, _) in enumerate(first)]
