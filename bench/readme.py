@@ -21,40 +21,36 @@ RESULTS = ROOT / "bench" / "results"
 DOCUMENT = ROOT / "bench" / "README.md"
 # results file stem: (module, function) rendering it as markdown
 RENDERERS = {
-    "speed": ("speed", "markdown"),
-    "speed_bfloat16": ("speed", "markdown"),
-    "speed_bfloat16_amx": ("speed", "markdown"),
-    "speed_bfloat16_amx_rounded": ("speed", "markdown"),
-    "tpot_bfloat16": ("tpot", "markdown"),
-    "tpot_bfloat16_rounded": ("tpot", "markdown"),
-    "attention_kernels": ("attention_kernels", "markdown"),
-    "attention_kernels_bfloat16": ("attention_kernels", "markdown"),
-    "decode_bandwidth": ("decode_bandwidth", "markdown"),
-    "decode_bandwidth_amx": ("decode_bandwidth", "markdown"),
-    "transformers_baseline": ("transformers_baseline", "markdown"),
-    "llama_cpp_speed": ("llama_cpp_speed", "markdown"),
-    "eval": ("evaluate", "markdown"),
-    "eval_quick": ("evaluate", "markdown"),
-    "eval_digits": ("evaluate", "markdown"),
-    "eval_new_methods": ("evaluate", "markdown"),
-    "eval_dual_chunk": ("evaluate", "markdown"),
-    "ruler": ("ruler", "markdown"),
-    "loadtest": ("readme", "loadtest_markdown"),
-    "step_budget": ("step_budget", "markdown"),
-    "reserved_cores": ("step_budget", "markdown"),
-    "soak": ("soak", "markdown"),
-    "fuzz": ("fuzz", "markdown"),
-    "fuzz_long": ("fuzz_fields", "markdown"),
-    "dtype": ("dtype_check", "markdown"),
-    "dtype_methods": ("dtype_check", "methods_markdown"),
-    "dtype_methods_rounded": ("dtype_check", "methods_markdown"),
-    "dtype_stock": ("dtype_check", "stock_markdown"),
-    "dtype_speed": ("dtype_speed", "markdown"),
-    "preload": ("preload_speed", "markdown"),
-    "gpu_check": ("gpu_check", "markdown"),
-    "gpu_kernel_speed_key_angles": ("gpu_kernel_speed", "markdown"),
-    "gpu_kernel_speed_tile_angles": ("gpu_kernel_speed", "markdown"),
-    "gpu_kernel_speed_decode_dot": ("gpu_kernel_speed", "markdown"),
+    "speed": ("bench.speed", "markdown"),
+    "speed_bfloat16": ("bench.speed", "markdown"),
+    "speed_bfloat16_amx": ("bench.speed", "markdown"),
+    "speed_bfloat16_amx_rounded": ("bench.speed", "markdown"),
+    "tpot_bfloat16": ("bench.tpot", "markdown"),
+    "tpot_bfloat16_rounded": ("bench.tpot", "markdown"),
+    "attention_kernels": ("bench.attention_kernels", "markdown"),
+    "attention_kernels_bfloat16": ("bench.attention_kernels", "markdown"),
+    "llama_cpp_speed": ("bench.llama_cpp_speed", "markdown"),
+    "eval": ("bench.evaluate", "markdown"),
+    "eval_quick": ("bench.evaluate", "markdown"),
+    "eval_digits": ("bench.evaluate", "markdown"),
+    "eval_new_methods": ("bench.evaluate", "markdown"),
+    "eval_dual_chunk": ("bench.evaluate", "markdown"),
+    "ruler": ("bench.ruler", "markdown"),
+    "loadtest": ("bench.readme", "loadtest_markdown"),
+    "step_budget": ("bench.step_budget", "markdown"),
+    "reserved_cores": ("bench.step_budget", "markdown"),
+    "soak": ("bench.soak", "markdown"),
+    "fuzz": ("tests.server.fuzz.schema", "markdown"),
+    "fuzz_long": ("tests.server.fuzz.fields", "markdown"),
+    "dtype": ("bench.dtype_check", "markdown"),
+    "dtype_methods": ("bench.dtype_check", "methods_markdown"),
+    "dtype_methods_rounded": ("bench.dtype_check", "methods_markdown"),
+    "dtype_stock": ("bench.dtype_check", "stock_markdown"),
+    "dtype_speed": ("bench.dtype_speed", "markdown"),
+    "gpu_check": ("bench.gpu_check", "markdown"),
+    "gpu_kernel_speed_key_angles": ("bench.gpu_kernel_speed", "markdown"),
+    "gpu_kernel_speed_tile_angles": ("bench.gpu_kernel_speed", "markdown"),
+    "gpu_kernel_speed_decode_dot": ("bench.gpu_kernel_speed", "markdown"),
 }
 
 
@@ -83,7 +79,7 @@ def replace_block(text: str, name: str, content: str) -> str:
 def generated(name: str, results: Path = RESULTS) -> str:
     """The block ``name`` as its results file renders it now."""
     module, function = RENDERERS[name]
-    render = getattr(importlib.import_module(f"bench.{module}"), function)
+    render = getattr(importlib.import_module(module), function)
     return render(json.loads((results / f"{name}.json").read_text()))
 
 

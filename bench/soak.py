@@ -123,23 +123,27 @@ def client_loop(base: str, seed: int, deadline: float, began: float, tokens, tok
             records.append({**record, "t_s": round(sent, 1), "prompt_tokens": length})
 
 
-def tree_rss(pid: int) -> float:
-    """Resident memory of a process and its descendants, in MiB."""
+def tree_rss(pid: int) -> dict[str, float]:
+    """Resident memory of a process and each of its descendants, in MiB, by process name (the
+    supervisor is the root; vLLM names its engine core's process)."""
     import psutil
 
-    total = 0
+    sizes: Counter = Counter()
     root = psutil.Process(pid)
     for process in [root, *root.children(recursive=True)]:
         try:
-            total += process.memory_info().rss
+            name = "supervisor" if process.pid == pid else process.name()
+            sizes[name] += process.memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             pass
-    return total / 2**20
+    return {name: round(size, 1) for name, size in sizes.items()}
 
 
 def sample_memory(pid: int, every: float, stop: threading.Event, began: float, samples: list[dict]) -> None:
     while not stop.wait(every):
-        samples.append({"t_s": round(time.monotonic() - began, 1), "rss_mib": round(tree_rss(pid), 1)})
+        by_process = tree_rss(pid)
+        samples.append({"t_s": round(time.monotonic() - began, 1), "rss_mib": round(sum(by_process.values()), 1),
+                        "by_process": by_process})
 
 
 def rss_slope(samples: list[dict]) -> dict[str, float]:
@@ -251,7 +255,8 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path) -> dict:
     server = start_server(["--log-level", "warning"], log, supervised=True)
     records, samples, stop = [], [], threading.Event()
     began = time.monotonic()
-    samples.append({"t_s": 0.0, "rss_mib": round(tree_rss(server.process.pid), 1)})
+    first = tree_rss(server.process.pid)
+    samples.append({"t_s": 0.0, "rss_mib": round(sum(first.values()), 1), "by_process": first})
     sampler = threading.Thread(target=sample_memory, args=(server.process.pid, sample_seconds, stop, began, samples),
                                daemon=True)
     sampler.start()

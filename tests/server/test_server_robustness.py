@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import fuzz  # noqa: E402
 from rope_plugins.testing.launcher import wait_healthy
+from tests.server.fuzz import schema as fuzz
 from tests.server.test_server import API_KEY, MODEL, assert_error_body, metric_value, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -359,7 +359,7 @@ def test_body_over_the_limit_without_a_length_is_a_413(server, http):
 
 
 def test_the_fuzzer_finds_no_5xx_and_the_schema_matches_the_answers(server, tmp_path):
-    """schemathesis from /openapi.json (bench/fuzz.py, with a small budget): seeded; every
+    """schemathesis from /openapi.json (tests/server/fuzz/schema.py, with a small budget): seeded; every
     answer a documented status, content type and body (OpenAI errors included), bad data
     refused, no 5xx."""
     result = fuzz.schemathesis_run(server.base, API_KEY, examples=40, seed=16, report_dir=tmp_path, timeout=900)

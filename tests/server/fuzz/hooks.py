@@ -1,4 +1,4 @@
-"""Schemathesis hooks for bench/fuzz.py and its test (loaded through ``SCHEMATHESIS_HOOKS``): generated
+"""Schemathesis hooks for tests/server/fuzz/schema.py and its test (loaded through ``SCHEMATHESIS_HOOKS``): generated
 bodies name the served model, so that they reach the engine instead of stopping at the model
 check, and ask for a few tokens at most, so that a run stays within minutes."""
 

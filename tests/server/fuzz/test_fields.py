@@ -1,10 +1,10 @@
-"""bench/fuzz_fields.py: the generated requests cover the length bands and routes, and the report renders."""
+"""tests/server/fuzz/fields.py: the generated requests cover the length bands and routes, and the report renders."""
 
 from __future__ import annotations
 
 import random
 
-from bench import fuzz_fields
+from tests.server.fuzz import fields as fuzz_fields
 
 
 class WordTexts:

@@ -1,5 +1,5 @@
 """Generated requests that combine fields, valid and hostile, over prompt lengths up to the served
-maximum and past it, sent at once from many threads: ``bench/fuzz.py --long-prompts N``.
+maximum and past it, sent at once from many threads: ``python -m tests.server.fuzz --long-prompts N``.
 
 Every answer must be below 500 (a 400 naming a field, a 429 when full, a 200), a stream must
 carry no server error, no traceback may reach the log, and the engine must serve at the end.
@@ -14,15 +14,12 @@ import concurrent.futures
 import inspect
 import json
 import random
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
-
-from bench import harness  # noqa: E402
+from bench import harness
 
 MODEL = "SmolLM2-135M-Instruct"
 SERVED, STEP = 1024, 128

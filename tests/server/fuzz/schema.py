@@ -1,29 +1,18 @@
-"""Fuzz the HTTP API against the real server: from its own OpenAPI schema with schemathesis, or
-with generated combinations of request fields over prompt lengths up to the served maximum.
-
-    .venv/bin/python bench/fuzz.py                     # 500 examples per operation, seed 0
-    .venv/bin/python bench/fuzz.py --examples 2000 --seed 7
-    .venv/bin/python bench/fuzz.py --long-prompts 3000 # combinations, long prompts, 12 at once
-
-The long-prompt run (:mod:`bench.fuzz_fields` makes the bodies) serves 1,024 tokens in 128-token
-steps, so most prompts are prefilled in chunks, and sends each generated request, valid or
-hostile, from 12 threads at once; it writes bench/results/fuzz_long.json: the answers by status
-and by prompt length, every 5xx, tracebacks in the log, whether the engine served at the end.
+"""Fuzz the HTTP API from the server's own OpenAPI schema with schemathesis (``python -m tests.server.fuzz``;
+``tests/server/test_server_robustness.py`` runs the same with a small budget).
 
 Starts ``python -m rope_plugins.server`` on the real default model with small limits (a 512-token context,
 4 running + 4 waiting sequences), so that every generated request that reaches the engine
 ends in seconds, then runs schemathesis (examples, coverage and fuzzing phases; positive and
 negative data) with the checks: no 5xx, every status, content type and body as documented,
 schema-violating data refused. Generated bodies name the served model and ask for 4 tokens
-at most (bench/fuzz_hooks.py) where the schema allows it. Writes bench/results/fuzz.json:
+at most (tests/server/fuzz/hooks.py) where the schema allows it. Writes bench/results/fuzz.json:
 the requests sent, schemathesis' failures, the server's answers by status (from its log),
 tracebacks in the log, and whether the engine still served at the end.
-``tests/server/test_server_robustness.py`` runs the same with a small budget.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -31,12 +20,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = "SmolLM2-135M-Instruct"
 SERVER_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-waiting", "4",
                 "--max-request-bytes", str(1 << 20), "--max-logprob-entries", "5000"]
@@ -52,8 +38,7 @@ def schemathesis_run(base: str, api_key: str, *, examples: int, seed: int, repor
                "--seed", str(seed), "--workers", "1", "--phases", "examples,coverage,fuzzing",
                "--request-timeout", "120", "--no-color", "--generation-database", "none",
                "--report", "junit", "--report-dir", str(report_dir)]
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "FUZZ_MODEL": MODEL,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT)])}
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.server.fuzz.hooks", "FUZZ_MODEL": MODEL, "PYTHONPATH": str(ROOT)}
     return subprocess.run(command, cwd=report_dir, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -84,48 +69,32 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=500, help="schemathesis examples per operation")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--long-prompts", type=int, metavar="N",
-                        help="send N generated requests with long prompts instead (bench/fuzz_fields.py)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    if args.long_prompts:
-        from bench.fuzz_fields import run_long_prompts
-
-        return run_long_prompts(args.long_prompts, args.seed, args.out or RESULTS / "fuzz_long.json")
-    args.out = args.out or RESULTS / "fuzz.json"
+def run(examples: int, seed: int, out: Path) -> int:
+    """A schemathesis run of ``examples`` per operation against a fresh server; writes ``out``."""
     import httpx
 
     from rope_plugins.testing.launcher import running_server
 
     api_key = "fuzz-key"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    work = args.out.with_name(args.out.stem + "_work")
-    work.mkdir(exist_ok=True)
+    work = out.with_name(out.stem + "_work")
+    work.mkdir(parents=True, exist_ok=True)
     log_path = work / "server.log"
     with running_server(SERVER_FLAGS, log_path, env={"ROPE_EXTEND_API_KEY": api_key}) as server:
-        print(f"fuzzing {server.base} with {args.examples} examples per operation (seed {args.seed}) ...", flush=True)
-        result = schemathesis_run(server.base, api_key, examples=args.examples, seed=args.seed, report_dir=work)
+        print(f"fuzzing {server.base} with {examples} examples per operation (seed {seed}) ...", flush=True)
+        result = schemathesis_run(server.base, api_key, examples=examples, seed=seed, report_dir=work)
         healthy = httpx.get(f"{server.base}/health").status_code == 200
     log = log_path.read_text()
     summary = result.stdout[-3000:]
     report = {
         "date": harness.now(),
-        "server_flags": SERVER_FLAGS, "examples_per_operation": args.examples, "seed": args.seed, "checks": CHECKS,
+        "server_flags": SERVER_FLAGS, "examples_per_operation": examples, "seed": seed, "checks": CHECKS,
         "requests_generated": generated_count(result.stdout), "schemathesis_passed": result.returncode == 0,
         "server_errors_5xx": sum(n for key, n in answers_by_status(log).items() if key.startswith("5")),
         "answers_by_status": answers_by_status(log), "tracebacks_in_log": log.count("Traceback"),
         "log_bytes": len(log), "healthy_at_end": healthy, "schemathesis_summary": summary,
     }
-    harness.write_json(report, args.out)
+    harness.write_json(report, out)
     print(summary)
     print(f"{report['requests_generated']} requests, {report['server_errors_5xx']} answered 5xx, "
-          f"{report['tracebacks_in_log']} tracebacks; wrote {args.out}")
+          f"{report['tracebacks_in_log']} tracebacks; wrote {out}")
     return 0 if report["schemathesis_passed"] and healthy else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
