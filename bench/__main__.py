@@ -17,7 +17,7 @@ SUITES = {
     "llama-cpp": ("llama_cpp_speed", "against llama.cpp on the same CPU"),
     "dtype": ("dtype_check", "which dtype answers correctly, each method's loss in both"),
     "dtype-speed": ("dtype_speed", "which dtype is faster end to end"),
-    "quality": ("evaluate", "long-context loss and passkeys of every method"),
+    "quality": ("quality", "long-context loss and passkeys of every method"),
     "ruler": ("ruler", "RULER through lm-eval"),
     "load": ("step_budget", "the load test per step budget"),
     "soak": ("soak", "an hour of every field at every length under the supervisor"),

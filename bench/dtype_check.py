@@ -106,11 +106,11 @@ def markdown(report: dict) -> str:
 
 
 def method_losses(float32_runs: Path, bfloat16_runs: Path, length: int) -> dict:
-    """Each setting's loss at ``length`` in both dtypes, from bench/evaluate.py's results logs
+    """Each setting's loss at ``length`` in both dtypes, from the quality suite's results logs
     (a float32 server's and a ``--dtype bfloat16`` one's), compared only on the same tokens: a
     record's tokenizer split (records from before it was written down: the bare byte-level
     regex) must be the same in both, or the two losses score different texts."""
-    from bench.evaluate import current_records
+    from bench.quality import current_records
 
     def losses(runs: Path) -> dict[tuple[str, str], float]:
         return {(r["label"], r.get("tokenizer", "ByteLevel")): r["nll"] for r in current_records(runs)
@@ -134,9 +134,9 @@ REFERENCE_RUNS = [("stock", "float32", None), ("stock", "bfloat16", None),
 
 
 def loss_text(tokenizer, length: int) -> tuple[list[int], int]:
-    """bench/evaluate.py's loss prompt at ``length`` (the corpus' tokens ending at the same token
+    """the quality suite's loss prompt at ``length`` (the corpus' tokens ending at the same token
     for every length) and how many of its last tokens that loss scores."""
-    from bench.evaluate import loss_window
+    from bench.quality import loss_window
     from rope_plugins.deploy.corpus import load_corpus
 
     return loss_window(tokenizer(load_corpus("pydoc")[:400_000], add_special_tokens=False).input_ids, length)
@@ -176,7 +176,7 @@ def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, preci
 
 def stock_reference(length: int) -> dict:
     """Stock vLLM's loss past training in both dtypes (plain RoPE, all it serves there) beside the
-    plugin's ``none`` in bfloat16 at both attention precisions, on bench/evaluate.py's loss text:
+    plugin's ``none`` in bfloat16 at both attention precisions, on the quality suite's loss text:
     how far bfloat16 moves stock vLLM's own loss, the yardstick for METHOD_TOLERANCE."""
     from tqdm import tqdm
 
@@ -201,7 +201,7 @@ def against_stock_float32(rows: list[dict]) -> list[dict]:
 
 def stock_markdown(report: dict) -> str:
     lines = [f"Measured {report['date'][:10]} on {report['machine']}: plain RoPE's loss at {report['length']:,} "
-             "tokens (bench/evaluate.py's loss text and scored tokens), stock vLLM in both dtypes and the "
+             "tokens (the quality suite's loss text and scored tokens), stock vLLM in both dtypes and the "
              f"plugin's `none` in bfloat16, each against stock vLLM in float32 (tolerance {report['tolerance']} "
              "nats):", "", "| engine | dtype | attention precision | loss | difference | within |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -216,7 +216,7 @@ def methods_markdown(report: dict) -> str:
         f"rounded once (--attention-precision {precision})" if rounded_once_at(precision)
         else "as two bfloat16 parts (--attention-precision float32)")
     splits = sorted({r.get("tokenizer", "ByteLevel") for r in report["rows"]})
-    lines = [f"Each setting's loss at {report['length']:,} tokens (bench/evaluate.py's loss: its last 4,096 "
+    lines = [f"Each setting's loss at {report['length']:,} tokens (the quality suite's loss: its last 4,096 "
              f"tokens of real text, tokenizer split {' and '.join(splits)}) served in float32 and in {served}; "
              f"bfloat16 within {report['tolerance']} nats of float32:", "",
              "| setting | float32 | bfloat16 | difference | within |", "| --- | --- | --- | --- | --- |"]
@@ -228,22 +228,20 @@ def methods_markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.speed import add_attention_precision
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(QUESTIONS))
     parser.add_argument("--out", type=Path, default=RESULTS / "dtype.json")
     parser.add_argument("--methods-at", type=int, metavar="LENGTH",
-                        help="compare the results logs of bench/evaluate.py and evaluate.py --dtype bfloat16 at "
+                        help="compare the results logs of the quality suite and its --dtype bfloat16 at "
                              "LENGTH instead (writes bench/results/dtype_methods.json)")
-    add_attention_precision(parser, "with --methods-at: the bfloat16 server's (bfloat16: evaluate.py "
+    harness.add_attention_precision(parser, "with --methods-at: the bfloat16 server's (bfloat16: the quality suite "
                                     "--attention-precision bfloat16 --stem eval_bfloat16_rounded; writes "
                                     "dtype_methods_rounded.json)")
     parser.add_argument("--float32-runs", type=Path, default=RESULTS / "eval_runs.jsonl",
                         help="with --methods-at: the float32 results log (the same machine's and tokenizer's as the "
                              "bfloat16 one: only losses on the same tokens are compared)")
     parser.add_argument("--stock-at", type=int, metavar="LENGTH",
-                        help="plain RoPE's loss at LENGTH on bench/evaluate.py's loss text: stock vLLM in both dtypes "
+                        help="plain RoPE's loss at LENGTH on the quality suite's loss text: stock vLLM in both dtypes "
                              "and the plugin's none in bfloat16 at both attention precisions (writes "
                              "bench/results/dtype_stock.json)")
     args = parser.parse_args(argv)

@@ -27,8 +27,6 @@ import threading
 import time
 from pathlib import Path
 
-from rope_plugins.plugin import ATTENTION_PRECISIONS, DEFAULT_ATTENTION_PRECISION
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
 
 from bench import harness  # noqa: E402
@@ -219,12 +217,6 @@ def rotated(configs: list[str], rep: int) -> list[str]:
     return configs[shift:] + configs[:shift]
 
 
-def add_attention_precision(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    """The bench scripts' ``--attention-precision``: the plugin's, defaulting to what the server serves."""
-    parser.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS, default=DEFAULT_ATTENTION_PRECISION,
-                        help=help)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
@@ -236,9 +228,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
     parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
                         help="both engines' model dtype (weights, activations and KV cache)")
-    add_attention_precision(parser, "a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's "
-                                    "raw keys): each operand rounded once, as stock vLLM's (bfloat16, the server's "
-                                    "default) or to 2^-16 (float32)")
+    harness.add_attention_precision(
+        parser, "a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw keys): each "
+                "operand rounded once, as stock vLLM's (bfloat16, the server's default) or to 2^-16 (float32)")
     parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
     parser.add_argument("--show-rep", type=int, metavar="REP",
                         help="print the table of one repetition (1-based) from --out and stop")

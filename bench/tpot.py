@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=list(speed.DTYPE_BYTES), default="bfloat16")
-    speed.add_attention_precision(parser)
+    harness.add_attention_precision(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out = args.out or speed.RESULTS / f"tpot_{args.dtype}.json"

@@ -2,7 +2,7 @@
 
 A request occupying ``P`` positions (``settings.positions_used``) on a model trained at ``L``
 tokens runs the settings of the first band of :data:`BANDS` that reaches ``P``: plain RoPE
-within training; past it, of the settings bench/evaluate.py measured at the band's longest
+within training; past it, of the settings `python -m bench quality` measured at the band's longest
 length (bench/README.md, "The search for auto"; SmolLM2 at L = 8k, 16k and 32k), the one with
 the lowest loss among those that found every passkey.
 

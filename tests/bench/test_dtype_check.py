@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from bench import dtype_check, evaluate
+from bench import dtype_check, quality
 
 
 def write_log(path, losses: dict[str, float], length: int = 16384) -> None:
     records = [{"test": "loss", "label": label, "settings": {"method": label}, "length": length, "nll": nll,
-                "accuracy": 0.5, "text_end": max(length, evaluate.LOSS_TEXT_END)} for label, nll in losses.items()]
+                "accuracy": 0.5, "text_end": max(length, quality.LOSS_TEXT_END)} for label, nll in losses.items()]
     records.append({"test": "loss", "label": "rerope", "settings": {}, "length": 8192, "nll": 9.0,
-                    "accuracy": 0.5, "text_end": evaluate.LOSS_TEXT_END})  # another length: not compared
+                    "accuracy": 0.5, "text_end": quality.LOSS_TEXT_END})  # another length: not compared
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -45,7 +45,7 @@ def test_losses_on_other_tokens_are_not_compared(tmp_path):
     other tokens than a bfloat16 log written after: those losses are left out, not compared."""
     write_log(tmp_path / "f32.jsonl", {"none": 3.0, "pi": 2.7})
     records = [{"test": "loss", "label": label, "settings": {"method": label}, "length": 16384, "nll": nll,
-                "accuracy": 0.5, "text_end": evaluate.LOSS_TEXT_END, "tokenizer": "Digits (each digit) + ByteLevel"}
+                "accuracy": 0.5, "text_end": quality.LOSS_TEXT_END, "tokenizer": "Digits (each digit) + ByteLevel"}
                for label, nll in {"none": 3.0 + 1.0, "pi": 2.7}.items()]
     (tmp_path / "bf16.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = dtype_check.method_losses(tmp_path / "f32.jsonl", tmp_path / "bf16.jsonl", 16384)

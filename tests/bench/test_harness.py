@@ -35,3 +35,20 @@ def test_a_report_starts_with_the_shared_header_and_is_written_as_json(tmp_path)
     assert "cores" in report["machine"] and report["date"].endswith("+00:00")
     path = harness.write_json(report, tmp_path / "deep" / "r.json")
     assert json.loads(path.read_text()) == report
+
+
+def test_the_expected_time_is_the_latest_three_of_the_same_key_else_the_others_median():
+    done = [("a", 400.0), ("a", 150.0), ("a", 170.0), ("a", 160.0), ("b", 30.0)]
+    assert harness.expected_seconds(["a", "b", "c"], done) == [160.0, 30.0, 95.0]
+    assert harness.expected_seconds(["c"], []) == [60.0]
+
+
+def test_the_grid_measures_in_turn_and_stops_before_what_does_not_fit_the_budget(capsys):
+    measured = []
+    harness.run_grid([1, 2, 3], [0.0, 0.0, 3600.0], measured.append, str, "test", budget_minutes=1)
+    assert measured == [1, 2]
+    assert "does not fit in the budget" in capsys.readouterr().err
+
+
+def test_a_markdown_table_shows_none_as_a_dash():
+    assert harness.markdown_table(["a", "b"], [[1, None]]) == "| a | b |\n| --- | --- |\n| 1 | - |"

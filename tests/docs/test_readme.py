@@ -15,7 +15,7 @@ from scripts import readme_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-# blocks whose benchmark has its own test module (test_speed, test_evaluate, ...) are checked there
+# blocks whose benchmark has its own test module (test_speed, test_quality, ...) are checked there
 CHECKED_ELSEWHERE = {"speed", "eval", "eval_quick", "step_budget", "reserved_cores"}
 
 

@@ -714,7 +714,7 @@ def test_load_test_tool_reports_a_run(server, tmp_path):
 
 
 def test_evaluation_script_runs_against_the_server(server, tmp_path):
-    command = [sys.executable, "bench/evaluate.py", "--url", server.base, "--lengths", "300", "--depths", "0.5",
+    command = [sys.executable, "-m", "bench", "quality", "--url", server.base, "--lengths", "300", "--depths", "0.5",
                "--keys", "1", "--methods", "none", "rerope", "--out-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "ROPE_EXTEND_API_KEY": API_KEY})
