@@ -1,34 +1,20 @@
-"""RULER (Hsieh et al., 2024), the long-context benchmark papers report, through EleutherAI's
-lm-eval against this server: every extension setting at 4k to 32k tokens.
+"""RULER (Hsieh et al., 2024) through EleutherAI's lm-eval against this server: every extension
+setting at 4k to 32k tokens, on SmolLM2-135M (trained at 8,192) and Qwen2.5-Coder-0.5B at a
+pretend training length of 4,096 (every setting names ``train_length: 4096``).
 
-    .venv/bin/python bench/ruler.py --model smollm2-135m    # resumable; --budget-minutes N
-    .venv/bin/python bench/ruler.py --table --readme                # ruler.json/.png and its README block
+    .venv/bin/python -m bench ruler --model smollm2-135m    # resumable; --budget-minutes N
+    .venv/bin/python -m bench ruler --table --readme        # ruler.json/.png and its README block
 
-For each model, length, task and setting, one run of lm-eval's CLI (``--model
-local-completions``, the prompts as the model's token ids) with ``--limit`` samples and the
-setting in every request's body (``--gen_kwargs '{"context_extension": ...}'``), against a
-server started for the model. lm-eval builds RULER's samples itself from a fixed seed (the same
-first samples for every setting), sized by the model's own tokenizer (``--metadata
-'{"max_seq_lengths": [L], "pretrained": <its directory>}'``).
-
-- **Tasks**: those lm-eval builds offline (:data:`TASKS`). Those built on Paul Graham's essays
-  (niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery) and the QA tasks
-  (SQuAD, HotpotQA) download their text: left out (:data:`LEFT_OUT`).
-- **Models**: SmolLM2-135M (trained at 8,192) and Qwen2.5-Coder-0.5B at a pretend training length of
-  4,096 (every setting names ``train_length: 4096``), so both run from inside training to 4-8x past it.
-- **Settings**: plain RoPE, ReRoPE, Leaky ReRoPE, Self-Extend, YaRN (its factor sized to the
-  request), dual-chunk attention, STRING, each also with log-n, and the server's ``auto``.
-  Inside the training length log-n is 1 at every position, so its rows are not run twice there.
-
-A setting that scored 0 on every task of a run at one length is not run at the longer ones
-(``--after-zero`` runs it): the table says so rather than leaving the cell blank.
-
-Each run's per-sample scores (RULER's: the share of the expected strings in the answer) land in
-``bench/results/ruler_runs.jsonl`` as it ends; a rerun skips what is there. The summary
-(``ruler.json``, ``ruler.png``) gives each score with a 95% Wilson interval over its samples,
-against the model's own 4k score, and the effective length: the longest length whose score stays
-at or above 85.6% of the model's own 4k score (RULER's threshold is Llama-2-7B's 4k score, 85.6,
-an absolute bar no 135M model reaches; scaled here to each model's own start).
+For each model, length, task and setting, one run of lm-eval's CLI (``local-completions``) with
+``--limit`` samples and the setting in every request's body. lm-eval builds RULER's samples from a
+fixed seed, sized by the model's own tokenizer. The tasks are those it builds offline
+(:data:`TASKS`; :data:`LEFT_OUT` download their text). Settings: :data:`SETTINGS`, each also with
+log-n past training, and the server's ``auto``. A setting that scored 0 on every task at one
+length is not run at the longer ones (``--after-zero`` runs it). Each run's per-sample scores land
+in ``bench/results/ruler_runs.jsonl``; a rerun skips what is there. The summary gives each score
+with a 95% Wilson interval and the effective length: the longest length whose score stays at or
+above 85.6% of the model's own 4k score (RULER's bar is Llama-2-7B's 4k score, 85.6, which no
+135M model reaches; scaled here to each model's own start).
 """
 
 from __future__ import annotations
@@ -43,12 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = harness.ROOT / "bench" / "results"
 STEM = "ruler"
 TASKS = ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe"]
 LEFT_OUT = {"niah_single_2": "essays", "niah_single_3": "essays", "niah_multikey_1": "essays",
@@ -110,7 +93,7 @@ def key(record: dict, task: str | None = None) -> tuple:
 
 def records(runs: Path) -> list[dict]:
     """Each task's run, from the log's records (one per lm-eval run, each over its tasks)."""
-    logged = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()] if runs.exists() else []
+    logged = harness.read_log(runs)
     return [{**{k: v for k, v in record.items() if k not in ("tasks", "scores")}, "task": task, "scores": scores,
              "n": len(scores), "score": statistics.fmean(scores), "seconds": record["seconds"] / len(record["scores"])}
             for record in logged for task, scores in record["scores"].items()]
@@ -166,48 +149,24 @@ def expected_seconds(job: dict, log: list[dict], samples: int) -> float:
     return per_sample * samples * len(job["tasks"])
 
 
-def measure(args: argparse.Namespace, jobs: list[dict], work: list[float], deadline: float) -> None:
+def measure(args: argparse.Namespace, jobs: list[dict], work: list[float]) -> None:
     """The model's jobs (``work``: each one's expected seconds) against ``--url`` or a server started
-    for them (its log beside the results), each appended to the log as it ends, while the next one
-    fits before ``deadline``."""
-    from tqdm import tqdm
-
+    for them, each appended to the log as it ends."""
     from rope_plugins.server.provision import provision
-    from rope_plugins.testing.launcher import running_server
 
     flags = ["--model", args.model, "--max-model-len", str(max(job["length"] for job in jobs) + 2 * GENERATED_TOKENS),
              "--kv-cache-memory", str(3 << 30), "--max-num-seqs", "2", "--log-level", "warning"]
     api_key = os.environ.get("ROPE_EXTEND_API_KEY")
-    context = None if args.url else running_server(flags, args.out_dir / f"{STEM}_server.log")
-    server = context.__enter__() if context else None
-    try:
-        base, tokenizer = (args.url or server.base).rstrip("/"), provision(args.model)
-        served = served_name(base, api_key)
-        with tqdm(total=round(sum(work)), desc=f"RULER {args.model}", unit="s", unit_scale=True,
-                  bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
-            for number, (job, expected) in enumerate(zip(jobs, work), start=1):
-                if time.perf_counter() + expected > deadline:
-                    bar.write(f"the next run ({job['label']} {job['length']}, about {expected:.0f} s) "
-                              "does not fit in the budget: stopping (rerun to resume)")
-                    break
-                bar.set_postfix_str(f"{number}/{len(jobs)}: {job['label']} {job['length']}")
-                with tempfile.TemporaryDirectory(prefix="ruler_lm_eval_") as scratch:  # lm-eval's own outputs
-                    record = run_job(job, base, served, tokenizer, args.samples, Path(scratch), api_key)
-                with args.runs.open("a") as out:
-                    out.write(json.dumps(record) + "\n")
-                bar.update(round(expected))
-    except KeyboardInterrupt:
-        print("interrupted: the summary covers what finished (rerun to resume)", file=sys.stderr)
-    finally:
-        if context:
-            context.__exit__(None, None, None)
+    with harness.server_at(args.url, flags, args.out_dir / f"{STEM}_server.log") as base:
+        tokenizer, served = provision(args.model), harness.served_model(base, api_key)
 
+        def run(job: dict) -> None:
+            with tempfile.TemporaryDirectory(prefix="ruler_lm_eval_") as scratch:  # lm-eval's own outputs
+                harness.append_log(args.runs, run_job(job, base, served, tokenizer, args.samples, Path(scratch),
+                                                      api_key))
 
-def served_name(base: str, api_key: str | None) -> str:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.get(f"{base}/v1/models", headers=headers, timeout=60).raise_for_status().json()["data"][0]["id"]
+        harness.run_grid(jobs, work, run, lambda job: f"{job['label']} {job['length']}", f"RULER {args.model}",
+                         args.budget_minutes)
 
 
 def wilson(mean: float, n: int) -> tuple[float, float]:
@@ -414,10 +373,6 @@ def main(argv: list[str] | None = None) -> int:
             for job, seconds in zip(jobs, work):
                 print(f"  {job['label']} at {job['length']}: {', '.join(job['tasks'])} (about {seconds / 60:.0f} min)")
             return 0
-        minutes = args.budget_minutes
-        measure(args, jobs, work, time.perf_counter() + (60 * minutes if minutes is not None else math.inf))
+        measure(args, jobs, work)
     return report(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
