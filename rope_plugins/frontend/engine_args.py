@@ -73,6 +73,12 @@ RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# oneDNN keeps every matmul primitive it built, one per (weight shape, token count), up to 1,024 by
+# default; a server's steps take every token count from 1 to --max-num-batched-tokens, so the
+# workers' memory grows for hours (bench/soak.py). vLLM's linear layers keep their own 32 most
+# recent primitives each, which hold the decode's counts; a small shared cache bounds the rest.
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_PRIMITIVES_KEPT = 64
 _binding_set_here: str | None = None  # what compute_on_every_core last wrote there
 
 
@@ -90,9 +96,10 @@ def compute_on_every_core(workers: int = 1) -> None:
     (tensor / pipeline parallelism) a share each: vLLM's automatic binding wants one NUMA node
     per worker, which one-socket machines lack. vLLM reads both in the engine process, which
     inherits the environment; values the user set are kept. The engine process also starts with
-    the libraries vLLM asks to preload (:func:`preload_cpu_libraries`)."""
+    the libraries vLLM asks to preload (:func:`preload_cpu_libraries`) and a bounded oneDNN cache."""
     global _binding_set_here
     preload_cpu_libraries()
+    os.environ.setdefault(ONEDNN_CACHE_ENV, str(ONEDNN_PRIMITIVES_KEPT))
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) <= FEW_CORES:
         os.environ.setdefault(RESERVED_CORES_ENV, "0")

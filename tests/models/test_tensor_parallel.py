@@ -56,3 +56,14 @@ def test_the_split_follows_each_engine_and_never_overrides_the_user(monkeypatch)
     monkeypatch.setenv(engine.THREADS_BIND_ENV, "nobind")
     engine.compute_on_every_core(2)
     assert engine.os.environ[engine.THREADS_BIND_ENV] == "nobind"
+
+
+def test_the_engine_gets_a_bounded_onednn_cache_unless_the_user_set_one(monkeypatch):
+    from rope_plugins.frontend import engine_args as engine
+
+    monkeypatch.delenv(engine.ONEDNN_CACHE_ENV, raising=False)
+    engine.compute_on_every_core()
+    assert engine.os.environ[engine.ONEDNN_CACHE_ENV] == str(engine.ONEDNN_PRIMITIVES_KEPT)
+    monkeypatch.setenv(engine.ONEDNN_CACHE_ENV, "1024")
+    engine.compute_on_every_core()
+    assert engine.os.environ[engine.ONEDNN_CACHE_ENV] == "1024"
