@@ -16,7 +16,6 @@ SUITES = {
     "kernels": ("attention_kernels", "the attention kernels against vLLM's"),
     "llama-cpp": ("llama_cpp_speed", "against llama.cpp on the same CPU"),
     "dtype": ("dtype_check", "which dtype answers correctly, each method's loss in both"),
-    "dtype-speed": ("dtype_speed", "which dtype is faster end to end"),
     "quality": ("quality", "long-context loss and passkeys of every method"),
     "ruler": ("ruler", "RULER through lm-eval"),
     "load": ("step_budget", "the load test per step budget"),

@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-from rope_plugins.plugin import rounded_once_at
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
 
 from bench import harness  # noqa: E402
@@ -30,7 +28,7 @@ RESULTS = ROOT / "bench" / "results"
 DTYPES = ("float32", "bfloat16")
 LOSS_TOLERANCE = 0.05  # nats: more than this above float32's loss is a wrong model, not rounding
 TEXT_TOKENS = 2048
-# nats: how far each method's bfloat16 loss past training may stray from its float32 loss
+# nats: how far a method's bfloat16 loss past training may stray from its float32 loss
 METHOD_TOLERANCE = 0.005
 QUESTIONS = {  # how each model is asked (a chat, or a text to complete), what, and what a correct answer contains
     "smollm2-135m": ("chat", "What is the capital of France?", ("Paris",)),
@@ -103,28 +101,6 @@ def markdown(report: dict) -> str:
         good = [dtype for dtype, ok in by_dtype.items() if ok]
         lines.append(f"- {model}: correct in {', '.join(good) if good else 'neither dtype'}.")
     return "\n".join(lines)
-
-
-def method_losses(float32_runs: Path, bfloat16_runs: Path, length: int) -> dict:
-    """Each setting's loss at ``length`` in both dtypes, from the quality suite's results logs
-    (a float32 server's and a ``--dtype bfloat16`` one's), compared only on the same tokens: a
-    record's tokenizer split (records from before it was written down: the bare byte-level
-    regex) must be the same in both, or the two losses score different texts."""
-    from bench.quality import current_records
-
-    def losses(runs: Path) -> dict[tuple[str, str], float]:
-        return {(r["label"], r.get("tokenizer", "ByteLevel")): r["nll"] for r in current_records(runs)
-                if r["test"] == "loss" and r["length"] == length}
-
-    float32, bfloat16 = losses(float32_runs), losses(bfloat16_runs)
-    rows = [{"setting": label, "tokenizer": split, "float32": float32[label, split],
-             "bfloat16": bfloat16[label, split], "difference": bfloat16[label, split] - float32[label, split],
-             "within": abs(bfloat16[label, split] - float32[label, split]) <= METHOD_TOLERANCE}
-            for label, split in float32 if (label, split) in bfloat16]
-    unmatched = sorted({label for label, _ in bfloat16} - {row["setting"] for row in rows})
-    return {"length": length, "tolerance": METHOD_TOLERANCE, "float32_runs": float32_runs.name,
-            "bfloat16_runs": bfloat16_runs.name, "rows": rows, "unmatched": unmatched,
-            "all_within": bool(rows) and all(r["within"] for r in rows)}
 
 
 # --stock-at's engines: (engine, dtype, the plugin's attention precision), stock vLLM's own rounding beside
@@ -210,36 +186,10 @@ def stock_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def methods_markdown(report: dict) -> str:
-    precision = report.get("attention_precision", "float32")
-    served = "bfloat16 with the attention's operands " + (
-        f"rounded once (--attention-precision {precision})" if rounded_once_at(precision)
-        else "as two bfloat16 parts (--attention-precision float32)")
-    splits = sorted({r.get("tokenizer", "ByteLevel") for r in report["rows"]})
-    lines = [f"Each setting's loss at {report['length']:,} tokens (the quality suite's loss: its last 4,096 "
-             f"tokens of real text, tokenizer split {' and '.join(splits)}) served in float32 and in {served}; "
-             f"bfloat16 within {report['tolerance']} nats of float32:", "",
-             "| setting | float32 | bfloat16 | difference | within |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['setting']} | {r['float32']:.4f} | {r['bfloat16']:.4f} | {r['difference']:+.4f} | "
-              f"{'yes' if r['within'] else '**no**'} |" for r in report["rows"]]
-    if report.get("unmatched"):
-        lines += ["", "Not compared (no float32 loss on the same tokens): " + ", ".join(report["unmatched"]) + "."]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(QUESTIONS))
     parser.add_argument("--out", type=Path, default=RESULTS / "dtype.json")
-    parser.add_argument("--methods-at", type=int, metavar="LENGTH",
-                        help="compare the results logs of the quality suite and its --dtype bfloat16 at "
-                             "LENGTH instead (writes bench/results/dtype_methods.json)")
-    harness.add_attention_precision(parser, "with --methods-at: the bfloat16 server's (bfloat16: the quality suite "
-                                    "--attention-precision bfloat16 --stem eval_bfloat16_rounded; writes "
-                                    "dtype_methods_rounded.json)")
-    parser.add_argument("--float32-runs", type=Path, default=RESULTS / "eval_runs.jsonl",
-                        help="with --methods-at: the float32 results log (the same machine's and tokenizer's as the "
-                             "bfloat16 one: only losses on the same tokens are compared)")
     parser.add_argument("--stock-at", type=int, metavar="LENGTH",
                         help="plain RoPE's loss at LENGTH on the quality suite's loss text: stock vLLM in both dtypes "
                              "and the plugin's none in bfloat16 at both attention precisions (writes "
@@ -253,14 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         harness.write_json(report, RESULTS / "dtype_stock.json")
         print(stock_markdown(report))
         return 0
-    if args.methods_at:
-        rounded = rounded_once_at(args.attention_precision)
-        stem = "eval_bfloat16_rounded" if rounded else "eval_bfloat16"
-        report = method_losses(args.float32_runs, RESULTS / f"{stem}_runs.jsonl", args.methods_at)
-        report["attention_precision"] = args.attention_precision
-        harness.write_json(report, RESULTS / f"dtype_methods{'_rounded' if rounded else ''}.json")
-        print(methods_markdown(report))
-        return 0 if report["all_within"] else 1
     from tqdm import tqdm
 
     from rope_plugins.frontend.engine_args import compute_on_every_core

@@ -70,10 +70,6 @@ AUTO_CANDIDATES = [
 # the candidates whose repeat and passkeys are measured too: the loss against finding a fact far back
 RETRIEVAL_CANDIDATES = [{"method": "leaky_rerope", "window": TRAIN_LENGTH // 2, "log_n": True},
                         {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 8}]
-METRICS = [("nll", "Loss (mean NLL of the last 4,096 tokens; lower is better)"),
-           ("accuracy", "Next-token accuracy, non-repeated text"),
-           ("repeat_accuracy", "Next-token accuracy, repeated text (second copy)"),
-           ("passkey", "Passkey retrieval (found / trials)")]
 
 
 def configs(methods: list[str], log_n_too: bool) -> list[dict]:
@@ -262,36 +258,35 @@ def ordered_labels(rows: list[dict]) -> list[str]:
     return sorted({r["label"] for r in rows}, key=lambda name: (METHODS.index(name.split("(")[0]), name))
 
 
-def cell(row: dict, key: str) -> str | None:
-    if key == "passkey":
-        return f"{row['passkey_found']}/{row['passkey_trials']}" if row.get("passkey_trials") else None
-    return None if row.get(key) is None else f"{row[key]:.3f}"
-
-
-def metric_tables(rows: list[dict], name: str) -> list[str]:
-    """One table per metric measured: a row per setting, a column per length."""
+def quality_table(rows: list[dict]) -> str:
+    """A row per setting: its loss at each length, then the passkeys it found (found/trials) at each
+    length where they were asked for; ``-`` where not measured."""
     lengths = sorted({r["length"] for r in rows})
+    asked = [n for n in lengths if any(r["passkey_trials"] for r in rows if r["length"] == n)]
     by = {(r["label"], r["length"]): r for r in rows}
-    out = []
-    for key, title in METRICS:
-        table = [[setting] + [cell(by.get((setting, n), {}), key) for n in lengths] for setting in ordered_labels(rows)]
-        table = [row for row in table if any(value is not None for value in row[1:])]
-        if table:
-            out.append(f"{title}{name}:\n\n" + harness.markdown_table(
-                ["setting"] + [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths], table))
-    return out
+    table = []
+    for setting in ordered_labels(rows):
+        losses = [by.get((setting, n), {}).get("nll") for n in lengths]
+        keys = [by.get((setting, n), {"passkey_trials": 0}) for n in asked]
+        table.append([setting, *(None if x is None else f"{x:.3f}" for x in losses),
+                      *(f"{k['passkey_found']}/{k['passkey_trials']}" if k["passkey_trials"] else None for k in keys)])
+    name = lambda n: f"{n // 1024}k" if n % 1024 == 0 else str(n)  # noqa: E731
+    return harness.markdown_table(["setting", *(f"loss {name(n)}" for n in lengths),
+                                   *(f"passkeys {name(n)}" for n in asked)], table)
 
 
 def markdown(report: dict) -> str:
-    """A results file's tables: the methods at their defaults, then every other setting measured."""
+    """A results file as bench/README.md shows it: the loss (mean NLL of the last 4,096 tokens; lower
+    is better) and the passkeys found, the methods at their defaults, then every other setting
+    measured (the accuracies are in the JSON)."""
     done = report["measurements_planned"] - report["measurements_missing"]
     tokenizer = f", tokenizer {report['tokenizer']}" if report.get("tokenizer") else ""
     head = (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, corpus `{report['corpus']}`"
             f"{tokenizer}): {done} of {report['measurements_planned']} planned measurements, "
-            f"{report['measured_seconds'] / 3600:.1f} h; `-` where not planned or not yet measured.")
+            f"{report['measured_seconds'] / 3600:.1f} h; loss: mean NLL of the last 4,096 tokens; `-`: not measured.")
     main = [r for r in report["rows"] if is_default(r)]
     others = [r for r in report["rows"] if not is_default(r)]
-    return "\n\n".join([head, *metric_tables(main, ""), *metric_tables(others, ", other settings")])
+    return "\n\n".join([head, quality_table(main)] + (["Other settings:", quality_table(others)] if others else []))
 
 
 def plot(report: dict, path: Path) -> None:

@@ -40,7 +40,6 @@ TARGETS = {"float32": {"prefill": {"rerope": 1.15, "leaky_rerope": 1.15, "ntk_mi
                        "tpot": {"rerope": 1.10, "leaky_rerope": 1.10, "ntk_mixed": 1.10}, "batch": 0.95},
            "bfloat16": {"prefill": {"rerope": 1.05, "leaky_rerope": 1.05, "ntk_mixed": 1.05},
                         "tpot": {"rerope": 1.00, "leaky_rerope": 1.00, "ntk_mixed": 1.00}, "batch": 1.0}}
-TARGET_FROM = 16384
 BATCH_LENGTH, BATCH_TOKENS = 2048, 64  # the batch: 8 prompts of this length, this many new tokens each
 BATCH_MIX = [{"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "ntk_mixed"}, {"method": "none"},
              {"method": "yarn"}, {"method": "pi"}, {"method": "rerope", "log_n": True}, {"method": "ntk_fixed"}]
@@ -79,7 +78,7 @@ class PeakMemory:
 
 
 def engine_arguments(max_len: int, **more) -> dict:
-    """The engine arguments the speed benchmarks' engines share (bench/dtype_speed.py's too): a
+    """The engine arguments the speed benchmarks' engines share: a
     ``max_len`` context, a whole long prompt in at most two steps."""
     return dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len, max_num_batched_tokens=max(max_len // 2, 8192),
                 seed=0, **more)
@@ -444,91 +443,21 @@ def print_summary(report: dict) -> None:
     print(f"KV-cache bytes per token: stock {kv['stock']:.0f}, plugin {kv['plugin']:.0f}")
 
 
-def markdown_tables(report: dict) -> str:
-    """The medians of the main lengths, then the scaling sweep's samples, with ratios to stock."""
-    header = ["| context | config | prefill s | x stock | TPOT ms | x stock |", "| --- | --- | --- | --- | --- | --- |"]
-
-    def row(n: str, config: str, values: dict, stock: dict) -> str:
-        return (f"| {int(n) // 1024}k | {config} | {values['prefill']:.2f} | {values['prefill'] / stock['prefill']:.2f}"
-                f" | {values['tpot'] * 1000:.1f} | {values['tpot'] / stock['tpot']:.2f} |")
-
-    main_lengths = [str(n) for n in report["lengths"]]
-    medians = [row(n, config, values[n], report["median"]["stock"][n])
-               for n in main_lengths for config, values in report["median"].items()]
-    sweep = [row(n, config, values[n], report["scaling"]["stock"][n])
-             for n in map(str, report["scaling_lengths"]) if n not in main_lengths
-             for config, values in report["scaling"].items() if n in values]
-    sweep_title = ["", f"The scaling sweep ({' and '.join(report['scaling'])}, one sample each):", ""]
-    return "\n".join(header + medians + (sweep_title + header + sweep if sweep else []))
-
-
-def kilo(n: str | int) -> str:
-    return f"{int(n) // 1024}k"
-
-
-def targets_of(report: dict) -> dict:
-    """The targets of the run's dtype (runs from before ``--dtype`` were float32)."""
-    return TARGETS[report.get("dtype", "float32")]
-
-
-def ratio_readings(report: dict) -> list[str]:
-    """Each method's time against stock's at every main length (targets from 16k on), and the sweep's longest."""
-    ratios, lines, targets = report["ratio_to_stock"], [], targets_of(report)
-    for n in map(str, report["lengths"]):
-        for key, name in (("prefill", "Prefill"), ("tpot", "Decode (time per output token)")):
-            each = ", ".join(f"{config} {ratio[n][key]:.2f}x" for config, ratio in ratios.items())
-            line = f"{name} at {kilo(n)}: {each} stock's time"
-            if int(n) >= TARGET_FROM:
-                missed = [f"{config} (target {targets[key][config]}x)" for config, ratio in ratios.items()
-                          if config in targets[key] and ratio[n][key] > targets[key][config]]
-                line += "; every target met" if not missed else "; not met: " + ", ".join(missed)
-            lines.append(line + ".")
-    sweep, longest = report["scaling"], str(max(report["scaling_lengths"]))
-    if longest not in map(str, report["lengths"]):
-        rerope, stock = sweep["rerope"][longest], sweep["stock"][longest]
-        lines.append(f"At {kilo(longest)} (the sweep) rerope's prefill takes "
-                     f"{rerope['prefill'] / stock['prefill']:.2f}x stock's time and its decode "
-                     f"{rerope['tpot'] / stock['tpot']:.2f}x.")
-    return lines
-
-
-def bandwidth_readings(report: dict) -> list[str]:
-    """What a decode step reads per second against what the machine can."""
-    if "memory_bandwidth" not in report:
-        return []
-    machine, achieved = report["memory_bandwidth"], report["decode_gb_per_second"]
-    n = str(max(report["lengths"]))
-    return [f"Memory: this machine copies at {machine['copy_gb_per_second']:.1f} GB/s (read + write) and sums at "
-            f"{machine['read_gb_per_second']:.1f} GB/s (PyTorch, every core). A decode step reads the weights "
-            f"({report['weight_bytes'] / 1e9:.2f} GB) and the context's KV cache; at {kilo(n)} that is "
-            + ", ".join(f"{config} {by_length[n]:.1f} GB/s" for config, by_length in achieved.items()) + "."]
-
-
-def batch_reading(batch: dict, target: float) -> str:
-    speed, ratio = batch["tokens_per_second"], batch["throughput_ratio"]
-    return (f"A batch of 8 concurrent {batch['length']:,}-token requests with 8 different settings, "
-            f"{batch['new_tokens']} new tokens each: {speed['plugin_mixed']:.1f} tokens/s, against "
-            f"{speed['stock_plain']:.1f} for 8 plain requests on stock vLLM (ratio {ratio:.2f}; target "
-            f"{target}, {'met' if ratio >= target else 'not met'}).")
-
-
-def memory_readings(report: dict) -> list[str]:
-    kv, peak = report["kv_bytes_per_token"], report["peak_process_bytes"]
-    lengths = dict.fromkeys((str(max(report["lengths"])), str(max(report["scaling_lengths"]))))
-    return [f"KV-cache bytes per token: stock {kv['stock']:,.0f}, plugin {kv['plugin']:,.0f}.",
-            "Peak resident memory of the benchmark's process tree (both engines) during a prefill: " + "; ".join(
-                f"at {kilo(n)} stock {peak['stock'][n] / 1e9:.2f} GB, rerope {peak['rerope'][n] / 1e9:.2f} GB"
-                for n in lengths) + "."]
-
-
 def markdown(report: dict) -> str:
-    """speed.json (or a run in another dtype) as bench/README.md shows it."""
-    batch_target = targets_of(report)["batch"]
+    """speed.json (or a run in another dtype) as bench/README.md shows it: the medians of the main
+    lengths with their ratios to stock, and the batch of 8 (the scaling sweep is in the plot)."""
+    rows = [[f"{int(n) // 1024}k", config, f"{values[n]['prefill']:.2f}",
+             f"{values[n]['prefill'] / report['median']['stock'][n]['prefill']:.2f}", f"{values[n]['tpot'] * 1000:.1f}",
+             f"{values[n]['tpot'] / report['median']['stock'][n]['tpot']:.2f}"]
+            for n in map(str, report["lengths"]) for config, values in report["median"].items()]
+    batch, target = report["batch8"], TARGETS[report.get("dtype", "float32")]["batch"]
     return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}; medians of {report['reps']}; "
             f"TPOT from {report['decode_tokens']} new tokens on the cached prompt):\n\n"
-            + markdown_tables(report) + "\n\n"
-            + "\n".join(f"- {line}" for line in [*ratio_readings(report), batch_reading(report["batch8"], batch_target),
-                                                  *bandwidth_readings(report), *memory_readings(report)]))
+            + harness.markdown_table(["context", "config", "prefill s", "x stock", "TPOT ms", "x stock"], rows)
+            + f"\n\nA batch of 8 concurrent {batch['length']:,}-token requests with 8 different settings: "
+            f"{batch['tokens_per_second']['plugin_mixed']:.1f} tokens/s against "
+            f"{batch['tokens_per_second']['stock_plain']:.1f} for 8 plain requests on stock vLLM "
+            f"(x{batch['throughput_ratio']:.2f}, target x{target}).")
 
 
 if __name__ == "__main__":

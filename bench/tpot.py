@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import harness, speed  # noqa: E402
-from bench.speed import CONFIGS, TARGETS, SideBySide, kilo, rotated  # noqa: E402
+from bench.speed import CONFIGS, TARGETS, SideBySide, rotated  # noqa: E402
 
 
 def measure(engines: SideBySide, lengths: list[int], reps: int, decode_tokens: int, out: Path, head: dict) -> dict:
@@ -70,8 +70,9 @@ def markdown(report: dict) -> str:
         for config in CONFIGS:
             ratio = 1.0 if config == "stock" else report["ratio_to_stock"][config][n]
             spread = ", ".join(f"{s * 1e3:.0f}" for s in report["samples"][config][n])
-            lines.append(f"| {kilo(n)} | {config} | {report['median'][config][n] * 1e3:.1f} | {ratio:.2f} | {spread} |")
-    missed = [f"{config} at {kilo(n)} ({ratio:.2f}x)" for config, by_length in report["ratio_to_stock"].items()
+            median = report["median"][config][n] * 1e3
+            lines.append(f"| {int(n) // 1024}k | {config} | {median:.1f} | {ratio:.2f} | {spread} |")
+    missed = [f"{config} at {int(n) // 1024}k ({ratio:.2f}x)" for config, by_length in report["ratio_to_stock"].items()
               for n, ratio in by_length.items() if ratio > targets[config]]
     lines += ["", "- Targets (at most " + ", ".join(f"{c} {t}x" for c, t in targets.items()) + " stock's time): "
               + ("every one met." if not missed else "not met by " + ", ".join(missed) + ".")]

@@ -152,8 +152,8 @@ def has_bfloat16_dot_products() -> bool:
 
 def served_dtype(dtype: str) -> str:
     """The model dtype ``--dtype`` asks for. ``auto`` on a CPU: bfloat16 where it has bfloat16 dot
-    products, where bench/dtype_speed.py measured the plugin faster end to end in bfloat16 than
-    in float32; float32 on any other CPU, where bfloat16 arithmetic is emulated (not measured
+    products, where the plugin runs faster in bfloat16 than in float32 (the speed suite's two
+    dtypes, bench/README.md); float32 on any other CPU, where bfloat16 arithmetic is emulated (not measured
     here). On a GPU, vLLM's own auto: the checkpoint's dtype. The default stays float32: in
     bfloat16 the default model answers bench/dtype_check.py's question wrongly (bench/README.md)."""
     if dtype != "auto":

@@ -82,18 +82,18 @@ REPORT = {"date": "2026-11-22T00:00:00", "machine": "m", "model": "x", "corpus":
           "measurements_missing": 2, "measured_seconds": 7200}
 
 
-def test_the_tables_order_methods_and_leave_out_what_was_not_measured():
-    rows = [{"label": "rerope", "length": 16384, "nll": 2.5, "accuracy": 0.5},
+def test_the_table_orders_methods_and_puts_other_settings_after_the_defaults():
+    rows = [{"label": "rerope", "length": 16384, "nll": 2.5, "accuracy": 0.5, "passkey_trials": 6,
+             "passkey_found": 5},
             {"label": "none", "length": 16384, "nll": 6.25, "accuracy": 0.125},
             {"label": "rerope(window=1024)", "length": 16384, "nll": 2.6, "accuracy": 0.5,
              "settings": {"method": "rerope", "window": 1024}}]
     text = quality.markdown({**REPORT, **summary_of(rows)})
     assert text.startswith("Measured 2026-11-22 on m (x, corpus `pydoc`): 7 of 9 planned measurements, 2.0 h;")
-    assert text.index("| none | 6.250 |") < text.index("| rerope | 2.500 |")
-    assert "second copy" not in text and "Passkey" not in text
-    # a setting away from its method's defaults goes in the other settings' tables, after the defaults'
-    other = text.index("other settings")
+    assert text.index("| none | 6.250 | - |") < text.index("| rerope | 2.500 | 5/6 |")
+    other = text.index("Other settings:")
     assert text.index("| rerope | 2.500 |") < other < text.index("| rerope(window=1024) | 2.600 |")
+    assert "accuracy" not in text  # in the JSON, not the README
 
 
 def test_the_plot_draws_the_loss_and_the_passkeys(tmp_path):
@@ -104,7 +104,7 @@ def test_the_plot_draws_the_loss_and_the_passkeys(tmp_path):
     assert (tmp_path / "quality.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("stem", ["eval", "eval_quick", "eval_digits", "eval_new_methods", "eval_dual_chunk"])
+@pytest.mark.parametrize("stem", ["eval", "eval_digits", "eval_new_methods"])
 def test_bench_readme_shows_the_committed_results(stem):
     """bench/README.md's block is the summary file's, and the summary file is its results log's
     (rerun `python -m bench quality [--quick] --table --readme` after measuring)."""

@@ -16,7 +16,7 @@ from scripts import readme_flags
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # blocks whose benchmark has its own test module (test_speed, test_quality, ...) are checked there
-CHECKED_ELSEWHERE = {"speed", "eval", "eval_quick", "step_budget", "reserved_cores"}
+CHECKED_ELSEWHERE = {"speed", "eval", "eval_digits", "eval_new_methods", "step_budget", "reserved_cores"}
 
 
 def tracked() -> list[str]:
@@ -69,4 +69,4 @@ def test_a_block_is_replaced_and_the_rest_kept(tmp_path):
         assert document.read_text() == f"# title\n\n{begin}\n| new | table |\n{end}\n\nafter\n"
     assert readme.block_names(document.read_text()) == ["eval"]
     with pytest.raises(SystemExit, match="no"):
-        readme.write_block("eval_quick", "x", document)
+        readme.write_block("eval_digits", "x", document)

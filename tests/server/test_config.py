@@ -47,7 +47,7 @@ def test_every_flag_is_in_the_readme():
 
 @pytest.mark.parametrize("native, served", [(True, "bfloat16"), (False, "float32")])
 def test_auto_serves_bfloat16_where_the_cpu_multiplies_it(monkeypatch, native, served):
-    """bench/dtype_speed.py measured bfloat16 faster end to end on a CPU with AVX512_BF16; a CPU
+    """The speed suite measured bfloat16 faster than float32 on a CPU with AVX512_BF16; a CPU
     without bfloat16 dot products gets float32. A named dtype is served as named, and the
     default is float32 (bench/dtype_check.py: the default model's answer flips in bfloat16)."""
     from rope_plugins.server import config
