@@ -289,52 +289,21 @@ def plot(report: dict, path: Path) -> None:
 
 
 def markdown(report: dict) -> str:
-    """llama_cpp_speed.json as bench/README.md shows it: a table per length and the readings against llama.cpp."""
-    lines = [f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, llama-cpp-python "
-             f"{report['llama_cpp_python']} with {report['threads']} threads and its defaults: "
-             f"{report['llama_cpp_defaults']}; one run, interleaved; {report['new_tokens']} new tokens):", "",
-             "| context | config | prefill s | TPOT ms | end to end s | plugin's end to end x this |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    """llama_cpp_speed.json as bench/README.md shows it: every run's times, and the plugin's end to
+    end time as a multiple of each (below 1: the plugin is faster); ``-`` where a run was not made."""
     plugin = next(name for name in report["runs"] if name.startswith("plugin auto, bfloat16"))
-    readings = []
+    rows = []
     for n in map(str, report["lengths"]):
         ours = report["runs"][plugin].get(n)
-        for name, runs in report["runs"].items():
-            if n in runs:
-                run = runs[n]
-                share = f"{ours['end_to_end'] / run['end_to_end']:.2f}" if ours else "-"
-                lines.append(f"| {int(n) // 1024}k | {name} | {run['prefill']:.1f} | {run['tpot'] * 1000:.1f} | "
-                             f"{run['end_to_end']:.1f} | {share} |")
-        if ours:
-            readings.append(end_to_end_reading(report, plugin, n))
-        missing = [name.removeprefix("llama.cpp ") for name in report["configs"] if n not in report["runs"][name]]
-        if missing:
-            readings.append(f"Not measured at {int(n) // 1024}k (the run was stopped first): {', '.join(missing)}.")
-    settings = "; ".join(f"{int(n) // 1024}k: {json.dumps(s)}" for n, s in report["plugin_settings"].items())
-    return "\n".join(lines + ["", *[f"- {line}" for line in readings], f"- `auto` ran {settings}."])
-
-
-def end_to_end_reading(report: dict, plugin: str, n: str) -> str:
-    """The plugin in bfloat16 end to end at length ``n`` against llama.cpp's fastest F32 or BF16
-    run (the target: faster than every one) and its fastest Q4_1 run."""
-    ours, runs = report["runs"][plugin][n]["end_to_end"], report["runs"]
-
-    def fastest(weights: tuple[str, ...]) -> tuple[str, float] | None:
-        measured = [(runs[name][n]["end_to_end"], name.removeprefix("llama.cpp ")) for name, config
-                    in report["configs"].items() if config["weights"] in weights and n in runs.get(name, {})]
-        return min(measured, default=None)
-
-    def against(best: tuple[float, str] | None, what: str) -> str:
-        if best is None:
-            return f"no {what} run measured"
-        seconds, name = best
-        return f"llama.cpp's fastest {what} run ({name}) takes {seconds:.1f} s, {seconds / ours:.2f}x the plugin's time"
-
-    full, quantized = fastest(("F32", "BF16")), fastest(("Q4_1",))
-    met = full is not None and ours < full[0]
-    return (f"At {int(n) // 1024}k the plugin in bfloat16 takes {ours:.1f} s end to end; {against(full, 'F32 or BF16')}"
-            f"; {against(quantized, 'Q4_1')}; target (faster than every F32 and BF16 run) "
-            f"{'met' if met else 'not met'}.")
+        rows += [[f"{int(n) // 1024}k", name, f"{run[n]['prefill']:.1f}", f"{run[n]['tpot'] * 1000:.1f}",
+                  f"{run[n]['end_to_end']:.1f}", f"{ours['end_to_end'] / run[n]['end_to_end']:.2f}" if ours else None]
+                 if n in run else [f"{int(n) // 1024}k", name, None, None, None, None]
+                 for name, run in report["runs"].items()]
+    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, llama-cpp-python "
+            f"{report['llama_cpp_python']} with {report['threads']} threads and its defaults: "
+            f"{report['llama_cpp_defaults']}; one run, interleaved; {report['new_tokens']} new tokens):\n\n"
+            + harness.markdown_table(["context", "config", "prefill s", "TPOT ms", "end to end s",
+                                      "plugin's end to end x this"], rows))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -263,20 +263,14 @@ def markdown(report: dict) -> str:
     """ruler.json as bench/README.md shows it."""
     lengths = report.get("lengths") or sorted({c["length"] for m in report["models"].values()
                                                for c in m["cells"].values()})
-    lines = [f"Tasks: {', '.join(report['tasks'])}; each cell the mean of their scores, [its 95% Wilson "
-             f"interval over the {'/'.join(map(str, report['samples_per_run']))} samples of each task], and "
-             "its share of the model's own 4k score. A blank: not measured yet (or inside training, for a "
-             "log-n row: the row without log-n). Not run: a setting that scored 0 at a shorter length is not run "
-             "at the longer ones (`--after-zero` runs it)."]
+    lines = [f"Measured on {report['machine']}, {report['measured_hours']:.1f} h of runs. Tasks: "
+             f"{', '.join(report['tasks'])}; each cell the mean of their scores, [its 95% Wilson interval over the "
+             f"{'/'.join(map(str, report['samples_per_run']))} samples of each task], and its share of the model's own "
+             f"4k score; blank: not measured yet (or, for a log-n row inside training, the row without log-n). "
+             f"Effective length: the longest length whose score stays at or above {report['threshold']:.1%} of the "
+             "model's own 4k score (at least: the longer lengths are not measured yet)."]
     for name, model in report["models"].items():
         lines += [""] + model_table(name, model, lengths)
-    left = sorted(set(report["left_out"].values()))
-    lines += ["", f"- Left out, because lm-eval downloads their text: the tasks built on {', '.join(left)} "
-                  f"({', '.join(sorted(report['left_out']))}).",
-              f"- Effective length: the longest length up to which the score stays at or above "
-              f"{report['threshold']:.1%} of the model's own 4k score (at least: the longer lengths are "
-              "not measured yet).",
-              f"- {report['measured_hours']:.1f} h of runs in all, on {report['machine']}."]
     return "\n".join(lines)
 
 

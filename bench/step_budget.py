@@ -80,37 +80,16 @@ def chosen_budget(runs: list[dict]) -> dict:
                 and r["total_tokens_per_s"] >= 0.95 * best), key=lambda r: r["budget"])
 
 
-def budget_readings(runs: list[dict]) -> list[str]:
-    """What a smaller step budget buys (the p99 gap) and costs (throughput, slow first tokens)."""
-    runs = sorted(runs, key=lambda r: -r["budget"])
-    largest, smallest, chosen = runs[0], runs[-1], chosen_budget(runs)
-    return [f"The p99 gap between tokens falls from {largest['itl_s']['p99']:.1f} s at {largest['budget']:,} to "
-            f"{smallest['itl_s']['p99']:.1f} s at {smallest['budget']:,}.",
-            f"The smallest budget that keeps the p90 gap within 10% of {largest['budget']:,}'s and the throughput "
-            f"within 5% of the best is {chosen['budget']:,}: its p99 gap is "
-            f"{largest['itl_s']['p99'] / chosen['itl_s']['p99']:.1f}x shorter than {largest['budget']:,}'s.",
-            f"At {smallest['budget']:,} the throughput is "
-            f"{1 - smallest['total_tokens_per_s'] / largest['total_tokens_per_s']:.0%} below {largest['budget']:,}'s "
-            f"and its p99 time to first token {smallest['ttft_s']['p99'] / largest['ttft_s']['p99']:.2f}x as long."]
-
-
-def reserved_readings(runs: list[dict]) -> list[str]:
-    """Every core for the worker against cores kept for the scheduler, on the same load."""
-    none, some = sorted(runs, key=lambda r: r["reserved_cores"])[::len(runs) - 1]
-    return [f"With {none['reserved_cores']} cores reserved the load test took {none['duration_s']:.0f} s "
-            f"({none['total_tokens_per_s']:.0f} tokens/s); with {some['reserved_cores']} reserved, "
-            f"{some['duration_s']:.0f} s ({some['total_tokens_per_s']:.0f} tokens/s)."]
-
-
 def markdown(report: dict) -> str:
     """step_budget.json (or reserved_cores.json, the same runs varying the reserved cores) as
-    bench/README.md shows it."""
+    bench/README.md shows it: the runs, and for budgets the one the server's default comes from."""
     runs, first = report["runs"], report["runs"][0]
-    varies_cores = len({r["reserved_cores"] for r in runs}) > 1
-    readings = reserved_readings(runs) if varies_cores else budget_readings(runs)
+    chosen = "" if len({r["reserved_cores"] for r in runs}) > 1 else (
+        f"\n\nThe smallest budget whose p90 gap stays within 10% of the largest's and whose throughput stays within "
+        f"5% of the best: {chosen_budget(runs)['budget']:,}.")
     return (f"Measured {report['date'][:10]} on {first['machine']} ({first['model']}); each run is "
             f"`rope-extend-loadtest {' '.join(report['workload'])}` against a server started for it:\n\n"
-            + table(runs) + "\n\n" + "\n".join(f"- {line}" for line in readings))
+            + table(runs) + chosen)
 
 
 def plot(runs: list[dict], path: Path) -> None:

@@ -22,16 +22,11 @@ def report_with(plugin_seconds: float) -> dict:
             "plugin_settings": {"16384": {"method": "rerope", "window": 2048, "log_n": True}}}
 
 
-@pytest.mark.parametrize("plugin_seconds, verdict", [(19.0, "met"), (21.5, "not met")])
-def test_the_reading_compares_with_every_full_precision_run(plugin_seconds, verdict):
-    """The verdict is against the fastest F32 or BF16 run (20 s here), whatever Q4_1 does."""
+@pytest.mark.parametrize("plugin_seconds", [19.0, 21.5])
+def test_the_table_gives_the_plugins_time_as_a_multiple_of_each_run(plugin_seconds):
     text = llama_cpp_speed.markdown(report_with(plugin_seconds))
-    reading = next(line for line in text.splitlines() if line.startswith("- At 16k"))
-    assert f"fastest F32 or BF16 run (F32, FA off) takes 20.0 s, {20 / plugin_seconds:.2f}x the plugin's" in reading
-    assert f"fastest Q4_1 run (Q4_1, FA off) takes 24.0 s, {24 / plugin_seconds:.2f}x the plugin's" in reading
-    assert reading.endswith(f"target (faster than every F32 and BF16 run) {verdict}.")
     assert f"| 16k | llama.cpp F32, FA off | 10.0 | 50.0 | 20.0 | {plugin_seconds / 20:.2f} |" in text
-    assert '`auto` ran 16k: {"method": "rerope"' in text
+    assert f"| 16k | llama.cpp Q4_1, FA off | 14.0 | 50.0 | 24.0 | {plugin_seconds / 24:.2f} |" in text
 
 
 def test_every_weight_runs_with_flash_attention_off_and_on():

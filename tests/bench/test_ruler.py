@@ -100,7 +100,7 @@ def test_a_setting_missing_a_task_at_a_length_has_no_cell_there():
     assert ruler.summarize_model(runs, ["niah_single_1", "ruler_vt"])["cells"] == {}
 
 
-def test_the_report_renders_every_model_and_says_what_was_left_out(tmp_path):
+def test_the_report_renders_every_model(tmp_path):
     runs = fake_runs({("none", 4096): 0.8, ("dual_chunk", 16384): 0.6})
     summary = ruler.summarize(runs, ["niah_single_1", "ruler_vt"], {"machine": "x86_64, 2 cores",
                                                                     "lengths": ruler.LENGTHS})
@@ -108,7 +108,6 @@ def test_the_report_renders_every_model_and_says_what_was_left_out(tmp_path):
     assert "**smollm2-135m** (its own 4k score, plain RoPE: 0.800)" in text
     assert "| dual_chunk |  |  | 0.600 [0.29, 0.85], 0.75x |  |  |" in text  # 8 samples; no 4k score yet
     assert text.index("| none |") < text.index("| dual_chunk |")  # the settings in their table's order
-    assert "essays" in text and "HotpotQA" in text
     ruler.plot(summary, tmp_path / "ruler.png")
     assert (tmp_path / "ruler.png").stat().st_size > 0
 
