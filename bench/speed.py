@@ -17,13 +17,10 @@ Writes bench/results/speed.json and speed.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -43,38 +40,6 @@ TARGETS = {"float32": {"prefill": {"rerope": 1.15, "leaky_rerope": 1.15, "ntk_mi
 BATCH_LENGTH, BATCH_TOKENS = 2048, 64  # the batch: 8 prompts of this length, this many new tokens each
 BATCH_MIX = [{"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "ntk_mixed"}, {"method": "none"},
              {"method": "yarn"}, {"method": "pi"}, {"method": "rerope", "log_n": True}, {"method": "ntk_fixed"}]
-
-
-class PeakMemory:
-    """Peak resident memory of this process and its children (the engine processes)."""
-
-    def __init__(self):
-        import psutil
-
-        self.process, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-    def _total(self) -> int:
-        total = self.process.memory_info().rss
-        for child in self.process.children(recursive=True):
-            try:
-                total += child.memory_info().rss
-            except Exception:
-                pass
-        return total
-
-    def __enter__(self):
-        self.peak = self._total()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self):
-        while not self._stop.wait(0.2):
-            self.peak = max(self.peak, self._total())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 def engine_arguments(max_len: int, **more) -> dict:
@@ -152,62 +117,17 @@ class SideBySide:
         for length in lengths:
             self.run("stock", [5] * length, 2), self.run("rerope", [5] * length, 2)
 
-    def prefill_and_tpot(self, config: str, ids: list[int], decode_tokens: int,
-                         around_prefill: contextlib.AbstractContextManager | None = None) -> tuple[float, float]:
+    def prefill_and_tpot(self, config: str, ids: list[int], decode_tokens: int) -> tuple[float, float]:
         """Prefill seconds of the fresh prompt ``ids`` (one step's worth of new tokens: 1), then
         the seconds per output token on the now-cached prompt, from 1 and 1 + ``decode_tokens``
-        new tokens. ``around_prefill`` is entered around the prefill only (a memory watch)."""
-        with around_prefill or contextlib.nullcontext():
-            prefill = self.run(config, ids, 1)
+        new tokens."""
+        prefill = self.run(config, ids, 1)
         one = self.run(config, ids, 1)
         many = self.run(config, ids, 1 + decode_tokens)
         return prefill, (many - one) / decode_tokens
 
 
-def memory_bandwidth(gib: float = 1.0, reps: int = 5) -> dict[str, float]:
-    """This machine's memory bandwidth from PyTorch on every core: the best of ``reps`` copies of
-    a ``gib`` GiB tensor (bytes read + written per second) and of sums over it (bytes read)."""
-    import torch
-
-    source = torch.ones(int(gib * (1 << 30)) // 4)
-    target = torch.empty_like(source)
-    copy, read = [], []
-    for _ in range(reps):
-        began = time.perf_counter()
-        target.copy_(source)
-        copy.append(2 * source.nbytes / (time.perf_counter() - began))
-        began = time.perf_counter()
-        source.sum()
-        read.append(source.nbytes / (time.perf_counter() - began))
-    return {"copy_gb_per_second": max(copy) / 1e9, "read_gb_per_second": max(read) / 1e9}
-
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def weight_bytes(model: str, dtype_bytes: int = 4) -> int:
-    """Bytes of the checkpoint's weights as the engine holds them (``dtype_bytes`` each): what every decode
-    step reads once (the tied embedding counted once, as the output layer reads it)."""
-    from safetensors import safe_open
-
-    elements = 0
-    for path in Path(model).glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as weights:
-            for name in weights.keys():
-                shape = weights.get_slice(name).get_shape()
-                count = 1
-                for size in shape:
-                    count *= size
-                elements += count
-    return elements * dtype_bytes
-
-
-def decode_bandwidth(report: dict) -> dict:
-    """Bytes a decode step reads (weights + the context's KV cache) over its time, per main length and config."""
-    weights, per_token = report["weight_bytes"], report["kv_bytes_per_token"]
-    return {c: {n: (weights + int(n) * per_token["stock" if c == "stock" else "plugin"]) / values["tpot"] / 1e9
-                for n, values in by_length.items()}
-            for c, by_length in report["median"].items()}
+DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def rotated(configs: list[str], rep: int) -> list[str]:
@@ -225,16 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="extra lengths for stock and rerope only (the scaling plot)")
     parser.add_argument("--scaling-reps", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
-    parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="both engines' model dtype (weights, activations and KV cache)")
     harness.add_attention_precision(
         parser, "a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw keys): each "
                 "operand rounded once, as stock vLLM's (bfloat16, the server's default) or to 2^-16 (float32)")
     parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
-    parser.add_argument("--show-rep", type=int, metavar="REP",
-                        help="print the table of one repetition (1-based) from --out and stop")
-    parser.add_argument("--markdown", action="store_true",
-                        help="print --out as bench/README.md shows it (tables and readings) and stop")
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
@@ -243,14 +159,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.markdown:
-        print(markdown(json.loads(args.out.read_text())))
-        return
-    if args.show_rep:
-        report = json.loads(args.out.read_text())
-        print_repetition(report, args.show_rep - 1)
-        plot(report, args.out.with_suffix(".png"), rep=args.show_rep - 1)
-        return
     run = SpeedRun.start(args)
     rng = random.Random(0)
     run.engines.warm_up()
@@ -258,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     run.measure_lengths(rng)
     report = run.write_report()
     plot(report, args.out.with_suffix(".png"))
-    print_summary(report)
+    print(markdown(report))
 
 
 def model_dtype(args: argparse.Namespace) -> str:
@@ -275,28 +183,24 @@ def kv_bytes_per_token(llm) -> float:
 
 class SpeedRun:
     """A run's two engines and what it has measured so far: per configuration, length and
-    kind ("prefill", "tpot") the seconds of each repetition, the peak memory around each
-    prefill, and the batch's tokens per second."""
+    kind ("prefill", "tpot") the seconds of each repetition, and the batch's tokens per second."""
 
-    def __init__(self, args: argparse.Namespace, engines: SideBySide, model: str, bandwidth: dict[str, float]):
-        self.args, self.engines, self.model, self.bandwidth = args, engines, model, bandwidth
+    def __init__(self, args: argparse.Namespace, engines: SideBySide):
+        self.args, self.engines = args, engines
         self.all_lengths = sorted(set(args.lengths + args.scaling_lengths))
         self.samples: dict[str, dict[int, dict[str, list[float]]]] = {
             c: {n: {"prefill": [], "tpot": []} for n in self.all_lengths} for c in CONFIGS}
-        self.peak: dict[str, dict[int, int]] = {c: {} for c in CONFIGS}
         self.batch: dict[str, list[float]] = {"plugin_mixed": [], "stock_plain": []}
 
     @classmethod
     def start(cls, args: argparse.Namespace) -> SpeedRun:
         """The engines on the default model, long enough for every length and the decode tokens,
-        on every core; the machine's memory bandwidth measured first, alone."""
+        on every core."""
         from rope_plugins.server.provision import provision_default_model
 
-        model = str(provision_default_model())
-        bandwidth = memory_bandwidth()  # before the engines start: the machine alone
         longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
-        engines = SideBySide.for_tokens(model, longest, args.dtype, args.attention_precision)
-        return cls(args, engines, model, bandwidth)
+        return cls(args, SideBySide.for_tokens(str(provision_default_model()), longest, args.dtype,
+                                               args.attention_precision))
 
     def measure_batch(self, rng: random.Random) -> None:
         """A batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM, once
@@ -332,12 +236,10 @@ class SpeedRun:
         with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
             for rep, n, configs in jobs:
                 for config in rotated(configs, rep):
-                    memory = PeakMemory()
                     prefill, tpot = self.engines.prefill_and_tpot(config, self.engines.prompt(rng, n),
-                                                                  args.decode_tokens, around_prefill=memory)
+                                                                  args.decode_tokens)
                     self.samples[config][n]["prefill"].append(prefill)
                     self.samples[config][n]["tpot"].append(tpot)
-                    self.peak[config][n] = max(self.peak[config].get(n, 0), memory.peak)
                     bar.set_postfix(length=n, config=config)
                     bar.update()
                     self.write_report()
@@ -353,7 +255,6 @@ class SpeedRun:
         report = {
             "date": harness.now(),
             "machine": harness.machine(),
-            "memory_bandwidth": self.bandwidth, "weight_bytes": weight_bytes(self.model, DTYPE_BYTES[args.dtype]),
             "model": f"SmolLM2-135M-Instruct ({model_dtype(args)})", "dtype": args.dtype, "reps": args.reps,
             "attention_precision": args.attention_precision,
             "decode_tokens": args.decode_tokens,
@@ -370,9 +271,7 @@ class SpeedRun:
                        "throughput_ratio": median(batch["plugin_mixed"]) / median(batch["stock_plain"])},
             "kv_bytes_per_token": {"stock": kv_bytes_per_token(self.engines.stock),
                                    "plugin": kv_bytes_per_token(self.engines.plugin)},
-            "peak_process_bytes": self.peak,
         }
-        report["decode_gb_per_second"] = decode_bandwidth(report)
         return report
 
     def write_report(self) -> dict:
@@ -383,21 +282,11 @@ class SpeedRun:
         return report
 
 
-def one_repetition(report: dict, rep: int) -> dict:
-    """Curves of one repetition (lengths measured once, like the scaling sweep's, give their one sample)."""
-    curves = {}
-    for config, by_length in report["samples"].items():
-        curves[config] = {n: {k: v[min(rep, len(v) - 1)] for k, v in values.items()}
-                          for n, values in by_length.items() if values["prefill"] and values["tpot"]}
-    return curves
-
-
-def plot(report: dict, path: Path, rep: int | None = None) -> None:
+def plot(report: dict, path: Path) -> None:
     plt = harness.pyplot()
 
     figure, (prefill, tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
-    curves = one_repetition(report, rep) if rep is not None else {
-        config: report.get("scaling", {}).get(config, values) for config, values in report["median"].items()}
+    curves = {config: report.get("scaling", {}).get(config, values) for config, values in report["median"].items()}
     for config, curve in curves.items():  # stock and rerope: the whole sweep
         lengths = sorted(curve, key=int)
         prefill.plot([int(n) for n in lengths], [curve[n]["prefill"] for n in lengths], "o-", label=config)
@@ -408,39 +297,9 @@ def plot(report: dict, path: Path, rep: int | None = None) -> None:
     for axis in (prefill, tpot):
         axis.grid(alpha=0.3, which="both")
         axis.legend()
-    which = f"repetition {rep + 1}" if rep is not None else f"medians of {report['reps']}"
-    figure.suptitle(f"SmolLM2-135M {report.get('dtype', 'float32')}, {report['machine']}, {which}")
+    figure.suptitle(f"SmolLM2-135M {report.get('dtype', 'float32')}, {report['machine']}, medians of {report['reps']}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-
-
-def print_repetition(report: dict, rep: int) -> None:
-    """One repetition's prefill and TPOT with ratios to stock's in the same repetition."""
-    samples = report["samples"]
-    print(f"repetition {rep + 1} of {report['reps']} ({report['date']})")
-    print(f"{'length':>7} {'config':>13} {'prefill s':>10} {'x stock':>8} {'TPOT ms':>8} {'x stock':>8}")
-    for n in map(str, report["scaling_lengths"]):
-        stock = samples["stock"][n]
-        for config, values in samples.items():
-            if len(values[n]["tpot"]) > rep and len(stock["tpot"]) > rep:
-                prefill, tpot = values[n]["prefill"][rep], values[n]["tpot"][rep]
-                print(f"{n:>7} {config:>13} {prefill:>10.2f} {prefill / stock['prefill'][rep]:>8.2f}"
-                      f" {tpot * 1000:>8.1f} {tpot / stock['tpot'][rep]:>8.2f}")
-
-
-def print_summary(report: dict) -> None:
-    print(f"\n{'length':>7} {'config':>13} {'prefill s':>10} {'x stock':>8} {'TPOT ms':>8} {'x stock':>8}")
-    for n in report["lengths"]:
-        for config, values in report["median"].items():
-            ratio = report["ratio_to_stock"].get(config, {}).get(n, {"prefill": 1.0, "tpot": 1.0})
-            print(f"{n:>7} {config:>13} {values[n]['prefill']:>10.2f} {ratio['prefill']:>8.2f}"
-                  f" {values[n]['tpot'] * 1000:>8.1f} {ratio['tpot']:>8.2f}")
-    b = report["batch8"]
-    print(f"batch of 8 x {b['length']} tokens, {b['new_tokens']} new each: plugin (mixed settings) "
-          f"{b['tokens_per_second']['plugin_mixed']:.1f} tok/s, "
-          f"stock {b['tokens_per_second']['stock_plain']:.1f} tok/s, ratio {b['throughput_ratio']:.2f}")
-    kv = report["kv_bytes_per_token"]
-    print(f"KV-cache bytes per token: stock {kv['stock']:.0f}, plugin {kv['plugin']:.0f}")
 
 
 def markdown(report: dict) -> str:

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--dtype", choices=list(speed.DTYPE_BYTES), default="bfloat16")
+    parser.add_argument("--dtype", choices=speed.DTYPES, default="bfloat16")
     harness.add_attention_precision(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
