@@ -45,6 +45,7 @@ SCHEMA = {"type": "object", "properties": {"topic": {"type": "string", "maxLengt
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"term": {"type": "string", "maxLength": 24}}, "required": ["term"]}}}
 WINDOW_MINUTES = 5
+PROCESS_NAMES = {"python": "API server", "VLLM::EngineCore": "engine core", "VLLM::Worker": "worker"}
 
 
 def prompt_length(rng: random.Random, shortest: int = 1024, longest: int = SERVED - 128) -> int:
@@ -146,16 +147,23 @@ def sample_memory(pid: int, every: float, stop: threading.Event, began: float, s
                         "by_process": by_process})
 
 
-def rss_slope(samples: list[dict]) -> dict[str, float]:
-    """Least-squares slope of RSS over the second half of the run (after warm-up), MiB per hour,
-    with its 95% interval."""
+def rss_slope(samples: list[dict], process: str | None = None) -> dict[str, float]:
+    """Least-squares slope of RSS (the tree's, or one ``process``'s) over the second half of the run
+    (after warm-up), MiB per hour, with its 95% interval."""
     from scipy import stats
 
-    half = [s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 2]
-    fit = stats.linregress([s["t_s"] / 3600 for s in half], [s["rss_mib"] for s in half])
-    margin = stats.t.ppf(0.975, len(half) - 2) * fit.stderr
+    half = [s for s in samples
+            if s["t_s"] >= samples[-1]["t_s"] / 2 and (process is None or process in s["by_process"])]
+    fit = stats.linregress([s["t_s"] / 3600 for s in half],
+                           [s["by_process"][process] if process else s["rss_mib"] for s in half])
+    margin = stats.t.ppf(0.975, len(half) - 2) * fit.stderr if fit.stderr > 0 else 0.0
     return {"mib_per_hour": round(fit.slope, 1), "low": round(fit.slope - margin, 1),
             "high": round(fit.slope + margin, 1), "samples": len(half)}
+
+
+def slopes_by_process(samples: list[dict]) -> dict[str, dict[str, float]]:
+    """Each process's RSS slope (runs from before the samples named processes: none)."""
+    return {name: rss_slope(samples, name) for name in samples[-1].get("by_process", {})}
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -213,7 +221,10 @@ def markdown(report: dict) -> str:
              f"{report['rss_start_mib']:.0f} MiB at the start, {report['rss_peak_mib']:.0f} peak, "
              f"{report['rss_end_mib']:.0f} at the end"),
             ("RSS slope, second half", f"{slope['mib_per_hour']:+.0f} MiB/h, 95% interval [{slope['low']:+.0f}, "
-                                       f"{slope['high']:+.0f}] ({slope['samples']} samples)")]
+                                       f"{slope['high']:+.0f}] ({slope['samples']} samples)"),
+            *((f"RSS slope, second half: {PROCESS_NAMES.get(name, name)}", f"{each['mib_per_hour']:+.0f} MiB/h "
+               f"[{each['low']:+.0f}, {each['high']:+.0f}]")
+              for name, each in slopes_by_process(report.get("rss") or [{}]).items())]
     table = ["| minutes | requests | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
              "| --- | --- | --- | --- | --- | --- |"]
     seconds = lambda value: "-" if value is None else f"{value:.2f} s"  # noqa: E731

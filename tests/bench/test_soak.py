@@ -41,3 +41,12 @@ def test_windows_and_report_render():
               "windows": windows}
     text = soak.markdown(report)
     assert "| 0-5 | 10 |" in text and "| answered 5xx | 0 |" in text
+
+
+def test_the_report_names_the_process_whose_memory_rises():
+    rng = random.Random(2)
+    samples = [{"t_s": float(t), "by_process": {"python": 900 + rng.gauss(0, 1),
+                                                "VLLM::Worker": 3800 + 200 * t / 3600 + rng.gauss(0, 5)}}
+               for t in range(0, 3600, 5)]
+    slopes = soak.slopes_by_process(samples)
+    assert slopes["VLLM::Worker"]["low"] > 150 and slopes["python"]["low"] < 0 < slopes["python"]["high"]
