@@ -157,8 +157,9 @@ def rss_slope(samples: list[dict], process: str | None = None) -> dict[str, floa
     fit = stats.linregress([s["t_s"] / 3600 for s in half],
                            [s["by_process"][process] if process else s["rss_mib"] for s in half])
     margin = stats.t.ppf(0.975, len(half) - 2) * fit.stderr if fit.stderr > 0 else 0.0
-    return {"mib_per_hour": round(fit.slope, 1), "low": round(fit.slope - margin, 1),
-            "high": round(fit.slope + margin, 1), "samples": len(half)}
+    # + 0.0: a slope of -0.0 reads as +0
+    return {"mib_per_hour": round(fit.slope, 1) + 0.0, "low": round(fit.slope - margin, 1) + 0.0,
+            "high": round(fit.slope + margin, 1) + 0.0, "samples": len(half)}
 
 
 def slopes_by_process(samples: list[dict]) -> dict[str, dict[str, float]]:
