@@ -1,18 +1,17 @@
 """Soak: the server as ``make run`` starts it (under its supervisor), an hour of clients that use
 everything at once, watching that nothing fails, nothing restarts and nothing leaks.
 
-    .venv/bin/python bench/soak.py                      # 60 minutes, writes bench/results/soak.{json,png}
-    .venv/bin/python bench/soak.py --minutes 3 --out /tmp/soak.json
+    .venv/bin/python -m bench soak                  # 60 minutes: bench/results/soak.{json,png}
+    .venv/bin/python -m bench soak --minutes 3 --out /tmp/soak.json
 
-Four clients per running sequence the server holds (``--max-num-seqs``) send request after
-request: prompts of 1,024 tokens up to the served maximum (density proportional to 1/length², so
-that a long prompt, whose prefill costs as its square, is as rare as it is dear: 3% of them over
-16k; windows of CPython's documentation), every method of ``context_extension`` and ``auto``, chat and completions, some
-with a ``seed``, a JSON schema or a forced tool call, most streamed, and a quarter of the
-streams dropped midway. The resident memory of the supervisor's process tree is sampled every
-few seconds. The report: answers by status (no 5xx allowed), the supervisor's restarts (none
-allowed), the RSS slope over the second half with its 95% interval, and TTFT and time per
-output token at p50 and p99 in windows of the run, plotted.
+Four clients per running sequence (``--max-num-seqs``) send request after request: prompts of
+1,024 tokens up to the served maximum (density proportional to 1/length², so that a long prompt,
+whose prefill costs as its square, is as rare as it is dear; windows of CPython's documentation),
+every method and ``auto``, chat and completions, some with a ``seed``, a JSON schema or a forced
+tool call, most streamed, a quarter of the streams dropped midway. Each process's resident memory
+is sampled every few seconds. The report: answers by status (no 5xx allowed), the supervisor's
+restarts (none allowed), the RSS slopes over the second half with their 95% intervals (the
+tree's and each process's), and TTFT and time per output token at p50 and p99, plotted.
 """
 
 from __future__ import annotations
