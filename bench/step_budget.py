@@ -61,14 +61,13 @@ def run_label(run: dict, runs: list[dict]) -> str:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| budget | ITL median | ITL p90 | ITL p99 | TTFT median | TTFT p99 | TPOT median | total tok/s "
-             "| duration |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in runs:
-        lines.append(f"| {run_label(r, runs)} | {r['itl_s']['median']:.3f} s | {r['itl_s']['p90']:.2f} s | "
-                     f"{r['itl_s']['p99']:.1f} s | {r['ttft_s']['median']:.1f} s | {r['ttft_s']['p99']:.1f} s | "
-                     f"{r['tpot_s']['median']:.3f} s | {r['total_tokens_per_s']:.0f} | {r['duration_s']:.0f} s |")
-    return "\n".join(lines)
+    return harness.markdown_table(
+        ["budget", "ITL median", "ITL p90", "ITL p99", "TTFT median", "TTFT p99", "TPOT median", "total tok/s",
+         "duration"],
+        [[run_label(r, runs), f"{r['itl_s']['median']:.3f} s", f"{r['itl_s']['p90']:.2f} s",
+          f"{r['itl_s']['p99']:.1f} s", f"{r['ttft_s']['median']:.1f} s", f"{r['ttft_s']['p99']:.1f} s",
+          f"{r['tpot_s']['median']:.3f} s", f"{r['total_tokens_per_s']:.0f}", f"{r['duration_s']:.0f} s"]
+         for r in runs])
 
 
 def chosen_budget(runs: list[dict]) -> dict:

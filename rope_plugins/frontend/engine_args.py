@@ -73,13 +73,14 @@ RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+_binding_set_here: str | None = None  # what compute_on_every_core last wrote there
+
 # oneDNN keeps every matmul primitive it built, one per (weight shape, token count), up to 1,024 by
 # default; a server's steps take every token count from 1 to --max-num-batched-tokens, so the
 # workers' memory grows for hours (bench/soak.py). vLLM's linear layers keep their own 32 most
 # recent primitives each, which hold the decode's counts; a small shared cache bounds the rest.
 ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 ONEDNN_PRIMITIVES_KEPT = 64
-_binding_set_here: str | None = None  # what compute_on_every_core last wrote there
 
 
 def cpu_worker_cores(workers: int, cores: list[int]) -> str | None:
