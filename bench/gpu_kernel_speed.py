@@ -230,41 +230,40 @@ def best_launches(report: dict) -> dict:
             for part in ("prefill", "decode") if "methods" in report.get(part, {})}
 
 
-def markdown(report: dict) -> str:
-    """The fastest launch of each method against FlashAttention, as a table."""
-    launches = best_launches(report)
-    best, decode = launches.get("prefill_best", {}), launches.get("decode_best", {})
-    shape = report["shape"]
+def markdown(report: dict, parts: tuple[str, ...] = ("prefill", "decode")) -> str:
+    """The fastest launch of each method against FlashAttention, a table per part in ``parts``."""
+    launches, shape = best_launches(report), report["shape"]
+    best, decode = launches.get("prefill_best", {}) if "prefill" in parts else {}, launches.get("decode_best", {})
     lines = [f"Measured {report['date'][:10]} on an {report['gpu']} (torch {report['torch']}, Triton "
              f"{report['triton']}): {shape['heads']} query / {shape['kv_heads']} KV heads of {shape['head']}, "
-             f"{shape['dtype']}, 16-token blocks. The fastest launch of each method; FlashAttention is PyTorch's.", ""]
+             f"{shape['dtype']}, 16-token blocks. The fastest launch of each method; FlashAttention is PyTorch's."]
     if best:
         prefill = report["prefill"]
         lines += [f"Prefill of {prefill['tokens']:,} tokens (FlashAttention {prefill['flash_ms']:.2f} ms, "
-                  f"{prefill['flash_tflops']:.0f} TFLOP/s):", "",
-                  "| method | ms | x flash | TFLOP/s | query tile | key tile | warps |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {m} | {e['ms']:.2f} | {e['x_flash']:.2f} | {e['tflops']:.0f} | {e['query_tile']} | "
-                  f"{e.get('key_tile', 32)} | {e.get('num_warps', 4)} |" for m, e in best.items()]
-        lines.append("")
-    if decode:
+                  f"{prefill['flash_tflops']:.0f} TFLOP/s):", harness.markdown_table(
+                      ["method", "ms", "x flash", "TFLOP/s", "query tile", "key tile", "warps"],
+                      [[m, f"{e['ms']:.2f}", f"{e['x_flash']:.2f}", f"{e['tflops']:.0f}", e["query_tile"],
+                        e.get("key_tile", 32), e.get("num_warps", 4)] for m, e in best.items()])]
+    if decode and "decode" in parts:
         part = report["decode"]
         lines += [f"Decode, {part['rows']} rows of {part['context']:,} keys (FlashAttention {part['flash_ms']:.3f} ms, "
-                  f"{part['flash_gbps']:.0f} GB/s of cache):", "",
-                  "| method | ms | x flash | GB/s | key tile | warps | products | key angles |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {m} | {e['ms']:.3f} | {e['x_flash']:.2f} | {e['gbps']:.0f} | {e['key_tile']} | "
-                  f"{e['num_warps']} | {'tl.dot' if e['dot'] else 'broadcast sums'} | "
-                  f"{'per tile' if e['tile_angles'] else 'per key'} |" for m, e in decode.items()]
-        lines.append("")
-    errors = [e["relative_error_vs_flash"] for runs in (*entries(report.get("prefill", {})).values(),
-                                                        *entries(report.get("decode", {})).values())
+                  f"{part['flash_gbps']:.0f} GB/s of cache):", harness.markdown_table(
+                      ["method", "ms", "x flash", "GB/s", "key tile", "warps", "products", "key angles"],
+                      [[m, f"{e['ms']:.3f}", f"{e['x_flash']:.2f}", f"{e['gbps']:.0f}", e["key_tile"], e["num_warps"],
+                        "tl.dot" if e["dot"] else "broadcast sums", "per tile" if e["tile_angles"] else "per key"]
+                       for m, e in decode.items()])]
+    errors = [e["relative_error_vs_flash"] for part in parts for runs in entries(report.get(part, {})).values()
               for e in runs if "relative_error_vs_flash" in e]
     if errors:
         lines.append(f"Plain RoPE (`none`) against FlashAttention on keys rotated by PyTorch, every launch: largest "
                      f"difference {max(errors):.4f} of the largest output ({shape['dtype']}'s rounding step is "
                      f"{torch.finfo(getattr(torch, shape['dtype'])).eps:.4f}).")
-    return "\n".join(lines).rstrip()
+    return "\n\n".join(lines)
+
+
+def prefill_markdown(report: dict) -> str:
+    """The prefill part alone (a later run's decode supersedes this one's)."""
+    return markdown(report, ("prefill",))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -277,16 +277,17 @@ def quality_table(rows: list[dict]) -> str:
 
 def markdown(report: dict) -> str:
     """A results file as bench/README.md shows it: the loss (mean NLL of the last 4,096 tokens; lower
-    is better) and the passkeys found, the methods at their defaults, then every other setting
-    measured (the accuracies are in the JSON)."""
+    is better) and the passkeys found of the methods at their defaults, with and without log-n (the
+    factors sized to the request, every other setting and the accuracies are in the JSON)."""
     done = report["measurements_planned"] - report["measurements_missing"]
     tokenizer = f", tokenizer {report['tokenizer']}" if report.get("tokenizer") else ""
+    shown = [r for r in report["rows"] if is_default(r) and r["settings"].get("factor") != AUTO]
+    others = len(report["rows"]) - len(shown)
     head = (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, corpus `{report['corpus']}`"
             f"{tokenizer}): {done} of {report['measurements_planned']} planned measurements, "
-            f"{report['measured_seconds'] / 3600:.1f} h; loss: mean NLL of the last 4,096 tokens; `-`: not measured.")
-    main = [r for r in report["rows"] if is_default(r)]
-    others = [r for r in report["rows"] if not is_default(r)]
-    return "\n\n".join([head, quality_table(main)] + (["Other settings:", quality_table(others)] if others else []))
+            f"{report['measured_seconds'] / 3600:.1f} h; loss: mean NLL of the last 4,096 tokens; `-`: not measured"
+            + (f"; {others} rows of other settings in the JSON." if others else "."))
+    return head + "\n\n" + quality_table(shown)
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,5 +1,5 @@
-"""The generated blocks of bench/README.md: each is a results file as its benchmark's
-``markdown(report)`` renders it (tables and the sentences that read them), between markers.
+"""The generated blocks of bench/README.md, docs/gpu.md and docs/layout.md: each is a results file as its
+benchmark's ``markdown(report)`` renders it (tables and the sentences that read them), between markers.
 
     .venv/bin/python bench/readme.py            # rewrite every block from bench/results/
     .venv/bin/python bench/readme.py --check    # name the blocks that differ from their results
@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOCUMENT = ROOT / "bench" / "README.md"
+# the GPU's results beside what is verified there, the fuzzer's beside the suite
+DOCUMENTS = (DOCUMENT, ROOT / "docs" / "gpu.md", ROOT / "docs" / "layout.md")
 # results file stem: (module, function) rendering it as markdown
 RENDERERS = {
     "speed": ("bench.speed", "markdown"),
@@ -40,7 +42,7 @@ RENDERERS = {
     "dtype": ("bench.dtype_check", "markdown"),
     "dtype_stock": ("bench.dtype_check", "stock_markdown"),
     "gpu_check": ("bench.gpu_check", "markdown"),
-    "gpu_kernel_speed_tile_angles": ("bench.gpu_kernel_speed", "markdown"),
+    "gpu_kernel_speed_tile_angles": ("bench.gpu_kernel_speed", "prefill_markdown"),
     "gpu_kernel_speed_decode_dot": ("bench.gpu_kernel_speed", "markdown"),
 }
 
@@ -74,7 +76,18 @@ def generated(name: str, results: Path = RESULTS) -> str:
     return render(json.loads((results / f"{name}.json").read_text()))
 
 
-def write_block(name: str, content: str, document: Path = DOCUMENT) -> None:
+def document_of(name: str) -> Path:
+    """The document that shows the block ``name``."""
+    return next((d for d in DOCUMENTS if markers(name)[0] in d.read_text()), DOCUMENT)
+
+
+def shown(name: str) -> str:
+    """The block ``name`` as its document shows it."""
+    return block(document_of(name).read_text(), name)
+
+
+def write_block(name: str, content: str, document: Path | None = None) -> None:
+    document = document or document_of(name)
     document.write_text(replace_block(document.read_text(), name, content))
 
 
@@ -93,17 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
     args = parser.parse_args(argv)
-    text = DOCUMENT.read_text()
-    stale = [name for name in block_names(text) if block(text, name) != generated(name)]
+    stale = []
+    for document in DOCUMENTS:
+        text = document.read_text()
+        names = [name for name in block_names(text) if block(text, name) != generated(name)]
+        stale += names
+        if not args.check:
+            for name in names:
+                text = replace_block(text, name, generated(name))
+            document.write_text(text)
     if args.check:
         print("\n".join(f"stale: {name}" for name in stale) or "every block is its results file's")
         return 1 if stale else 0
-    for name in stale:
-        text = replace_block(text, name, generated(name))
-    DOCUMENT.write_text(text)
-    print(f"rewrote {len(stale)} block(s) of {DOCUMENT}: {', '.join(stale) or 'none stale'}")
+    print(f"rewrote {len(stale)} block(s): {', '.join(stale) or 'none stale'}")
     return 0
-
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))

@@ -238,8 +238,8 @@ def summarize(log: list[dict], tasks: list[str], meta: dict) -> dict:
 
 
 def model_table(name: str, model: dict, lengths: list[int]) -> list[str]:
-    """One model's settings x lengths: each score (the mean over the tasks) and its interval, the share
-    of the model's own 4k score, and the effective length."""
+    """One model's settings x lengths: each score (the mean over the tasks) and its interval, and the
+    effective length."""
     own = model["own_4k"]
     lines = [f"**{name}** (its own 4k score, plain RoPE: {own:.3f})" if own is not None else f"**{name}**", "",
              "| setting | " + " | ".join(f"{length // 1024}k" for length in lengths) + " | effective length |",
@@ -248,9 +248,8 @@ def model_table(name: str, model: dict, lengths: list[int]) -> list[str]:
         cells, zero_at = [], None
         for length in lengths:
             c = model["cells"].get(f"{setting} @ {length}")
-            share = f", {c['of_own_4k']:.2f}x" if c and c["of_own_4k"] is not None else ""
             after_zero = f"not run: 0 at {zero_at // 1024}k" if zero_at else ""
-            cells.append(f"{c['score']:.3f} [{c['low']:.2f}, {c['high']:.2f}]{share}" if c else after_zero)
+            cells.append(f"{c['score']:.2f} [{c['low']:.2f}, {c['high']:.2f}]" if c else after_zero)
             zero_at = zero_at or (length if c and c["score"] == 0 else None)
         effective = model["effective_length"].get(setting)
         shown = "" if effective is None else f"{effective // 1024}k" if effective else f"below {lengths[0] // 1024}k"
@@ -263,12 +262,10 @@ def markdown(report: dict) -> str:
     """ruler.json as bench/README.md shows it."""
     lengths = report.get("lengths") or sorted({c["length"] for m in report["models"].values()
                                                for c in m["cells"].values()})
-    lines = [f"Measured on {report['machine']}, {report['measured_hours']:.1f} h of runs. Tasks: "
-             f"{', '.join(report['tasks'])}; each cell the mean of their scores, [its 95% Wilson interval over the "
-             f"{'/'.join(map(str, report['samples_per_run']))} samples of each task], and its share of the model's own "
-             f"4k score; blank: not measured yet (or, for a log-n row inside training, the row without log-n). "
-             f"Effective length: the longest length whose score stays at or above {report['threshold']:.1%} of the "
-             "model's own 4k score (at least: the longer lengths are not measured yet)."]
+    lines = [f"Measured on {report['machine']}, {report['measured_hours']:.1f} h of runs, tasks "
+             f"{', '.join(report['tasks'])}: the mean score [95% Wilson interval, "
+             f"{'/'.join(map(str, report['samples_per_run']))} samples a task]; blank: not measured. Effective "
+             f"length: the longest scoring at least {report['threshold']:.1%} of the model's own 4k score."]
     for name, model in report["models"].items():
         lines += [""] + model_table(name, model, lengths)
     return "\n".join(lines)

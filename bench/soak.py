@@ -8,8 +8,11 @@ Four clients per running sequence (``--max-num-seqs``) send request after reques
 1,024 tokens up to the served maximum (density proportional to 1/length², so that a long prompt,
 whose prefill costs as its square, is as rare as it is dear; windows of CPython's documentation),
 every method and ``auto``, chat and completions, some with a ``seed``, a JSON schema or a forced
-tool call, most streamed, a quarter of the streams dropped midway. Each process's resident memory
-is sampled every few seconds. The report: answers by status (no 5xx allowed), the supervisor's
+tool call, most streamed, a quarter of the streams dropped midway. Before the clock starts, one
+prompt at the served maximum per kernel path (``--warm-up``) fills what the engine keeps by design
+and sizes by length (the far-key rotation tables, one per setting, planner.FAR_TABLES_KEPT at most),
+so that the hour's slope measures leaks, not high-water marks. Each process's resident memory is
+sampled every few seconds. The report: answers by status (no 5xx allowed), the supervisor's
 restarts (none allowed), the RSS slopes over the second half with their 95% intervals (the
 tree's and each process's), and TTFT and time per output token at p50 and p99, plotted.
 """
@@ -44,6 +47,7 @@ SCHEMA = {"type": "object", "properties": {"topic": {"type": "string", "maxLengt
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"term": {"type": "string", "maxLength": 24}}, "required": ["term"]}}}
 WINDOW_MINUTES = 5
+WARM_UP_METHODS = ["none", "rerope", "leaky_rerope", "self_extend", "string", "dual_chunk", "ntk_mixed"]
 PROCESS_NAMES = {"python": "API server", "VLLM::EngineCore": "engine core", "VLLM::Worker": "worker"}
 
 
@@ -121,6 +125,23 @@ def client_loop(base: str, seed: int, deadline: float, began: float, tokens, tok
             except httpx.HTTPError as error:
                 record = {"route": route, "status": None, "server_error": True, "error": repr(error)}
             records.append({**record, "t_s": round(sent, 1), "prompt_tokens": length})
+
+
+def warm_up(base: str, tokens: list[int], tokenizer, methods: list[str]) -> dict[str, Any]:
+    """One completion per method at the served maximum, all at once; what they took."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    length = SERVED - 4 * OUTPUT_TOKENS
+    prompt = tokenizer.decode(tokens[:length])
+    began = time.monotonic()
+    with httpx.Client(base_url=base, timeout=7200) as client, ThreadPoolExecutor(len(methods)) as pool:
+        statuses = list(pool.map(lambda method: client.post("/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
+            "context_extension": {"method": method}}).status_code, methods))
+    return {"methods": methods, "prompt_tokens": length, "statuses": statuses,
+            "seconds": round(time.monotonic() - began, 1)}
 
 
 def tree_rss(pid: int) -> dict[str, float]:
@@ -221,21 +242,20 @@ def markdown(report: dict) -> str:
              f"{report['rss_start_mib']:.0f} MiB at the start, {report['rss_peak_mib']:.0f} peak, "
              f"{report['rss_end_mib']:.0f} at the end"),
             ("RSS slope, second half", f"{slope['mib_per_hour']:+.0f} MiB/h, 95% interval [{slope['low']:+.0f}, "
-                                       f"{slope['high']:+.0f}] ({slope['samples']} samples)"),
-            *((f"RSS slope, second half: {PROCESS_NAMES.get(name, name)}", f"{each['mib_per_hour']:+.0f} MiB/h "
-               f"[{each['low']:+.0f}, {each['high']:+.0f}]")
-              for name, each in slopes_by_process(report.get("rss") or [{}]).items())]
-    table = ["| minutes | requests | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    seconds = lambda value: "-" if value is None else f"{value:.2f} s"  # noqa: E731
-    table += [f"| {w['from_min']}-{w['from_min'] + WINDOW_MINUTES} | {w['requests']} | "
-              + " | ".join(seconds(w[key]) for key in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")) + " |"
-              for w in report["windows"]]
-    summary = "\n".join(f"| {name} | {value} |" for name, value in rows)
+                                       f"{slope['high']:+.0f}] ({slope['samples']} samples)")]
+    by_process = slopes_by_process(report.get("rss") or [{}])
+    if by_process:
+        rows.append(("RSS slope by process", ", ".join(f"{PROCESS_NAMES.get(name, name)} {each['mib_per_hour']:+.0f} "
+                                                       f"[{each['low']:+.0f}, {each['high']:+.0f}]"
+                                                       for name, each in by_process.items())))
+    warm = report.get("warm_up")
+    if warm:
+        rows.insert(0, ("before the clock", f"one prompt of {warm['prompt_tokens']:,} tokens per kernel path "
+                                            f"({', '.join(warm['methods'])}), {warm['seconds'] / 60:.0f} min"))
     return (f"Measured {report['date'][:10]} ({MODEL}, make run's defaults under its supervisor): {report['clients']} "
             "clients, prompts of 1,024 tokens to the served maximum (density ∝ 1/length²), every method, seeds, JSON "
-            "schemas, forced tool calls, streams (a quarter dropped midway):\n\n| measured | value |\n| --- | --- |\n"
-            f"{summary}\n\nBy sending time:\n\n" + "\n".join(table))
+            "schemas, forced tool calls, streams (a quarter dropped midway):\n\n"
+            + harness.markdown_table(["measured", "value"], rows))
 
 
 def follow(threads: list[threading.Thread], records: list[dict], samples: list[dict], began: float,
@@ -252,7 +272,7 @@ def follow(threads: list[threading.Thread], records: list[dict], samples: list[d
                             rss_mib=samples[-1]["rss_mib"], clients=sum(t.is_alive() for t in threads))
 
 
-def run(minutes: float, clients: int, sample_seconds: float, out: Path) -> dict:
+def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bool) -> dict:
     from transformers import AutoTokenizer
 
     from rope_plugins.deploy.corpus import load_corpus
@@ -264,6 +284,12 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path) -> dict:
     tokens = tokenizer(load_corpus("pydoc"), add_special_tokens=False)["input_ids"]
     log = out.with_name(out.stem + "_server.log")
     server = start_server(["--log-level", "warning"], log, supervised=True)
+    before = tree_rss(server.process.pid)
+    warmed = warm_up(server.base, tokens, tokenizer, WARM_UP_METHODS) if warm else None
+    if warmed:
+        warmed.update(rss_before_mib=round(sum(before.values()), 1),
+                      rss_after_mib=round(sum(tree_rss(server.process.pid).values()), 1))
+        print(f"warm-up: {warmed}", flush=True)
     records, samples, stop = [], [], threading.Event()
     began = time.monotonic()
     first = tree_rss(server.process.pid)
@@ -280,7 +306,7 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path) -> dict:
     unfinished = sum(thread.is_alive() for thread in threads)
     server.stop()
     text = log.read_text()
-    return {**harness.header(), "minutes": minutes, "clients": clients,
+    return {**harness.header(), "minutes": minutes, "clients": clients, "warm_up": warmed,
             "requests": len(records), "prompt_tokens": [r["prompt_tokens"] for r in records],
             "answers_by_status": dict(Counter(str(r["status"]) for r in records)),
             "server_errors": sum(r["server_error"] for r in records), "abandoned": sum(r.get("abandoned", False)
@@ -297,9 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=CLIENTS)
     parser.add_argument("--sample-seconds", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                        help="before the clock: one prompt at the served maximum per kernel path (WARM_UP_METHODS)")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = run(args.minutes, args.clients, args.sample_seconds, args.out)
+    report = run(args.minutes, args.clients, args.sample_seconds, args.out, args.warm_up)
     harness.write_json(report, args.out)
     plot(report, args.out.with_suffix(".png"))
     print(markdown(report))

@@ -86,9 +86,8 @@ def markdown(report: dict) -> str:
     chosen = "" if len({r["reserved_cores"] for r in runs}) > 1 else (
         f"\n\nThe smallest budget whose p90 gap stays within 10% of the largest's and whose throughput stays within "
         f"5% of the best: {chosen_budget(runs)['budget']:,}.")
-    return (f"Measured {report['date'][:10]} on {first['machine']} ({first['model']}); each run is "
-            f"`rope-extend-loadtest {' '.join(report['workload'])}` against a server started for it:\n\n"
-            + table(runs) + chosen)
+    return (f"Measured {report['date'][:10]} on {first['machine']} ({first['model']}); each run is the load "
+            "test's workload (in the JSON) against a server started for it:\n\n" + table(runs) + chosen)
 
 
 def plot(runs: list[dict], path: Path) -> None:

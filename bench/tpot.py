@@ -64,14 +64,12 @@ def markdown(report: dict) -> str:
     targets = TARGETS[report["dtype"]]["tpot"]
     lines = [f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}; medians of "
              f"{report['reps']} interleaved repetitions on cached prompts; TPOT from {report['decode_tokens']} "
-             "new tokens):", "", "| context | config | TPOT ms (median) | x stock | samples ms |",
-             "| --- | --- | --- | --- | --- |"]
+             "new tokens):", "", "| context | config | TPOT ms (median) | x stock |", "| --- | --- | --- | --- |"]
     for n in map(str, report["lengths"]):
         for config in CONFIGS:
             ratio = 1.0 if config == "stock" else report["ratio_to_stock"][config][n]
-            spread = ", ".join(f"{s * 1e3:.0f}" for s in report["samples"][config][n])
             median = report["median"][config][n] * 1e3
-            lines.append(f"| {int(n) // 1024}k | {config} | {median:.1f} | {ratio:.2f} | {spread} |")
+            lines.append(f"| {int(n) // 1024}k | {config} | {median:.1f} | {ratio:.2f} |")
     missed = [f"{config} at {int(n) // 1024}k ({ratio:.2f}x)" for config, by_length in report["ratio_to_stock"].items()
               for n, ratio in by_length.items() if ratio > targets[config]]
     lines += ["", "- Targets (at most " + ", ".join(f"{c} {t}x" for c, t in targets.items()) + " stock's time): "

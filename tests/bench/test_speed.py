@@ -10,7 +10,7 @@ from bench import readme, speed
 
 def test_bench_readme_shows_the_committed_results():
     """Rerun `bench/readme.py` after a speed run."""
-    assert readme.block(readme.DOCUMENT.read_text(), "speed") == readme.generated("speed")
+    assert readme.shown("speed") == readme.generated("speed")
 
 
 def test_the_table_holds_every_config_at_every_main_length_and_the_batch():
