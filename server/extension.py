@@ -8,15 +8,17 @@ both meanings of ``auto`` (a method chosen by the evaluated rule of
 :mod:`rope_plugins.server.auto`, a factor sized to the request) and every bound: the settings'
 own, and a ``train_length`` within what this server serves.
 
-In this process the settings travel on objects vLLM hands from one seam to the next: the typed
-request on vLLM's request model (set by the route), each prompt's settings on its engine input
-(set when it is rendered, taken by ``ExtensionEngine.generate``), and the applied settings on
-vLLM's request again, for the response.
+In this process the settings travel under one name, :data:`EXTENSION_KEY`, on the objects vLLM
+hands from one seam to the next: a :class:`RequestExtension` on vLLM's request model (the typed
+request, set by the route; the settings applied to each prompt, set when it is rendered, read
+for the response's header and body), and each prompt's settings on its engine input (taken by
+``ExtensionEngine.generate``, which writes them into the request's ``SamplingParams.extra_args``
+and ``cache_salt``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rope_plugins.rules.settings import (
@@ -31,11 +33,17 @@ from rope_plugins.server.auto import auto_settings
 from rope_plugins.server.config import ServerConfig
 from rope_plugins.server.schemas import ContextExtension
 
-# vLLM's request model carries the typed request (the route sets it; a client cannot) and the
-# settings applied to each of its prompts; each engine input carries its prompt's settings.
-REQUESTED_ATTRIBUTE = "rope_extend_requested"
-APPLIED_ATTRIBUTE = "rope_extend_applied"
-SETTINGS_KEY = "rope_extend_settings"
+# vLLM's request model carries a RequestExtension under this name (the route sets it; a client
+# cannot), and each engine input its prompt's settings
+EXTENSION_KEY = "rope_extend"
+
+
+@dataclass
+class RequestExtension:
+    """One request's ``context_extension`` as typed, and the settings each prompt resolved to."""
+
+    requested: ContextExtension | None
+    applied: list[ExtensionSettings] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -120,19 +128,30 @@ def _auto_method(merged: dict[str, Any], positions: int, defaults: ServerDefault
     return {"method": defaults.auto_method, "log_n": defaults.auto_log_n}
 
 
+def attach_extension(request: Any, requested: ContextExtension | None) -> None:
+    """The typed ``context_extension`` onto vLLM's request, for the renderer's checks."""
+    setattr(request, EXTENSION_KEY, RequestExtension(requested))
+
+
 def requested_extension(request: Any) -> ContextExtension | None:
     """The typed ``context_extension`` the route put on vLLM's request (None: the defaults)."""
-    return getattr(request, REQUESTED_ATTRIBUTE, None)
+    extension = getattr(request, EXTENSION_KEY, None)
+    return extension.requested if extension is not None else None
 
 
 def applied_settings(request: Any) -> list[ExtensionSettings]:
     """The settings each of the request's prompts was resolved to when it was rendered."""
-    return getattr(request, APPLIED_ATTRIBUTE, None) or []
+    extension = getattr(request, EXTENSION_KEY, None)
+    return extension.applied if extension is not None else []
 
 
 def carry_settings(request: Any, engine_inputs: list[Any], applied: list[ExtensionSettings]) -> None:
     """Each prompt's settings on its engine input, for the engine, and all on vLLM's request,
     for the response."""
     for engine_input, settings in zip(engine_inputs, applied):
-        engine_input[SETTINGS_KEY] = settings
-    setattr(request, APPLIED_ATTRIBUTE, applied)
+        engine_input[EXTENSION_KEY] = settings
+    extension = getattr(request, EXTENSION_KEY, None)
+    if extension is None:  # a request no route of this server typed (vLLM's own handlers)
+        extension = RequestExtension(None)
+        setattr(request, EXTENSION_KEY, extension)
+    extension.applied = applied

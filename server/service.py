@@ -29,7 +29,7 @@ from rope_plugins.rules.settings import ExtensionSettings
 from rope_plugins.server.checks import Bounds
 from rope_plugins.server.config import AUTO, ServerConfig, served_dtype
 from rope_plugins.server.errors import bad_request, engine_unavailable, printable
-from rope_plugins.server.extension import SETTINGS_KEY, ServerDefaults, engine_default_fields
+from rope_plugins.server.extension import EXTENSION_KEY, ServerDefaults, engine_default_fields
 from rope_plugins.server.grammars import GrammarCheck
 from rope_plugins.server.metrics import Metrics
 
@@ -45,7 +45,7 @@ class ExtensionEngine(AsyncLLM):
 
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
         prompt = dict(prompt)
-        settings = prompt.pop(SETTINGS_KEY)  # resolved when the request was rendered (checks.check_rendered)
+        settings = prompt.pop(EXTENSION_KEY)  # resolved when the request was rendered (checks.check_rendered)
         prompt_ids = prompt["prompt_token_ids"]
         prompt, params = extension_request(prompt, sampling_params, settings)
         outputs = super().generate(prompt, params, request_id, *args, **kwargs)

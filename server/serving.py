@@ -38,7 +38,7 @@ from rope_plugins.server.errors import (
     validation_error,
     vllm_error,
 )
-from rope_plugins.server.extension import REQUESTED_ATTRIBUTE, applied_settings
+from rope_plugins.server.extension import applied_settings, attach_extension
 from rope_plugins.server.service import EngineService
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def vllm_request(body: Any, model: type[BaseModel]) -> Any:
         raise validation_error(RequestValidationError(error.errors())) from None
     except VLLMValidationError as error:  # raised by its validators, as they are not ValueErrors
         raise name_grammar_field(engine_refusal(error), body.constraint_field()) from None
-    setattr(request, REQUESTED_ATTRIBUTE, body.context_extension)
+    attach_extension(request, body.context_extension)
     return request
 
 

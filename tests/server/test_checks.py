@@ -12,7 +12,7 @@ from rope_plugins.rules.settings import ExtensionSettings
 from rope_plugins.server.checks import Bounds, check_rendered, check_text_length
 from rope_plugins.server.config import parse_config
 from rope_plugins.server.errors import APIError
-from rope_plugins.server.extension import REQUESTED_ATTRIBUTE, ServerDefaults, engine_default_fields
+from rope_plugins.server.extension import ServerDefaults, attach_extension, engine_default_fields
 from rope_plugins.server.schemas import ContextExtension
 
 TRAIN, SERVED = 64, 256
@@ -28,7 +28,7 @@ def defaults() -> ServerDefaults:
 def completion(max_tokens=4, logprobs=None, extension=None):
     request = SimpleNamespace(prompt="", echo=False, n=1, max_tokens=max_tokens, min_tokens=0, logprobs=logprobs,
                               prompt_logprobs=None)
-    setattr(request, REQUESTED_ATTRIBUTE, None if extension is None else ContextExtension.model_validate(extension))
+    attach_extension(request, None if extension is None else ContextExtension.model_validate(extension))
     return request
 
 
