@@ -155,8 +155,8 @@ def stock_reference(length: int) -> dict:
     from tqdm import tqdm
 
     from bench.attention_kernels import machine
-    from rope_plugins.server.catalog import model_source
-    from rope_plugins.server.provision import provision
+    from rope_plugins.models.catalog import model_source
+    from rope_plugins.models.provision import provision
 
     directory = provision(model_source("smollm2-135m"))
     rows = [{"engine": engine, "dtype": dtype, "attention_precision": precision,
@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from rope_plugins.frontend.engine_args import compute_on_every_core
-    from rope_plugins.server.catalog import model_source
-    from rope_plugins.server.provision import is_ready, provision
+    from rope_plugins.models.catalog import model_source
+    from rope_plugins.models.provision import is_ready, provision
 
     compute_on_every_core()
     names = args.models or [name for name in QUESTIONS if is_ready(model_source(name))]

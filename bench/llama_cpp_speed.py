@@ -91,7 +91,7 @@ def converter(cache: Path) -> Path:
 
 def gguf_files(model: Path, cache: Path) -> dict[str, Path]:
     """The checkpoint as F32 and BF16 GGUFs (converted once, kept in ``cache``) and the pinned Q4_1 GGUF."""
-    from rope_plugins.server.provision import provision_gguf
+    from rope_plugins.models.provision import provision_gguf
 
     files = {"Q4_1": provision_gguf()}
     for weights in ("F32", "BF16"):
@@ -203,7 +203,7 @@ class Comparison:
             raise SystemExit("llama-cpp-python is not installed: .venv/bin/python -m pip install -e '.[llama-cpp]'") \
                 from error
         from rope_plugins.frontend.engine_args import compute_on_every_core
-        from rope_plugins.server.provision import cache_root, provision_default_model
+        from rope_plugins.models.provision import cache_root, provision_default_model
 
         self.args, model = args, provision_default_model()
         self.gguf = gguf_files(model, cache_root())

@@ -215,8 +215,8 @@ class Evaluator:
 
 def tokenizer_split() -> str:
     """How the provisioned default model's tokenizer splits text before its BPE (SmolLM2's GGUF
-    declares digits one by one, then the byte-level regex: server/provision.py)."""
-    from rope_plugins.server.provision import provision_default_model
+    declares digits one by one, then the byte-level regex: rope_plugins/models/provision.py)."""
+    from rope_plugins.models.provision import provision_default_model
 
     split = json.loads((provision_default_model() / "tokenizer.json").read_text())["pre_tokenizer"]
     return " + ".join(part["type"] + (" (each digit)" if part.get("individual_digits") else "")

@@ -38,7 +38,7 @@ LEFT_OUT = {"niah_single_2": "essays", "niah_single_3": "essays", "niah_multikey
             "niah_multivalue": "essays", "niah_multiquery": "essays", "ruler_qa_squad": "SQuAD",
             "ruler_qa_hotpot": "HotpotQA"}
 LENGTHS = [4096, 8192, 16384, 32768]
-# the model's short name (server/catalog.py): the training length its requests name (None: its own)
+# the model's short name (rope_plugins/models/catalog.py): the training length its requests name (None: its own)
 MODELS = {"smollm2-135m": None, "qwen2.5-coder-0.5b": 4096}
 SETTINGS = [{"method": "none"}, {"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "self_extend"},
             {"method": "yarn", "factor": "auto"}, {"method": "dual_chunk"}, {"method": "string"}]
@@ -152,7 +152,7 @@ def expected_seconds(job: dict, log: list[dict], samples: int) -> float:
 def measure(args: argparse.Namespace, jobs: list[dict], work: list[float]) -> None:
     """The model's jobs (``work``: each one's expected seconds) against ``--url`` or a server started
     for them, each appended to the log as it ends."""
-    from rope_plugins.server.provision import provision
+    from rope_plugins.models.provision import provision
 
     flags = ["--model", args.model, "--max-model-len", str(max(job["length"] for job in jobs) + 2 * GENERATED_TOKENS),
              "--kv-cache-memory", str(3 << 30), "--max-num-seqs", "2", "--log-level", "warning"]
@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.table:
         from transformers import AutoConfig
 
+        from rope_plugins.models.provision import provision
         from rope_plugins.rules.checkpoint import declared_train_length
-        from rope_plugins.server.provision import provision
 
         own = declared_train_length(AutoConfig.from_pretrained(provision(args.model)))
         jobs = still_to_do(chosen(plan(args.model, own, args.lengths or LENGTHS, args.tasks or TASKS), args.settings),

@@ -276,8 +276,8 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
     from transformers import AutoTokenizer
 
     from rope_plugins.deploy.corpus import load_corpus
-    from rope_plugins.server.catalog import DEFAULT_MODEL
-    from rope_plugins.server.provision import provision
+    from rope_plugins.models.catalog import DEFAULT_MODEL
+    from rope_plugins.models.provision import provision
     from rope_plugins.testing.launcher import start_server
 
     tokenizer = AutoTokenizer.from_pretrained(str(provision(DEFAULT_MODEL)))

@@ -196,7 +196,7 @@ class SpeedRun:
     def start(cls, args: argparse.Namespace) -> SpeedRun:
         """The engines on the default model, long enough for every length and the decode tokens,
         on every core."""
-        from rope_plugins.server.provision import provision_default_model
+        from rope_plugins.models.provision import provision_default_model
 
         longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
         return cls(args, SideBySide.for_tokens(str(provision_default_model()), longest, args.dtype,

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out = args.out or speed.RESULTS / f"tpot_{args.dtype}.json"
-    from rope_plugins.server.provision import provision_default_model
+    from rope_plugins.models.provision import provision_default_model
 
     model = str(provision_default_model())
     engines = SideBySide.for_tokens(model, max(args.lengths) + args.decode_tokens + 64, args.dtype,

@@ -18,10 +18,10 @@ logger = logging.getLogger(__name__)
 
 def resolve_model(model: str | None) -> str:
     """The checkpoint directory to serve: a short name (or none, the default) is provisioned."""
-    from rope_plugins.server.catalog import DEFAULT_MODEL, MODELS
+    from rope_plugins.models.catalog import DEFAULT_MODEL, MODELS
 
     if model is None or model in MODELS:
-        from rope_plugins.server.provision import provision
+        from rope_plugins.models.provision import provision
 
         return str(provision(model or DEFAULT_MODEL))
     return model

