@@ -4,20 +4,13 @@
     .venv/bin/python -m bench quality                    # 4k-32k, with and without log-n (resumable)
     .venv/bin/python -m bench quality --table --readme   # the summary and its README block, from the log
 
-Over HTTP with the openai client (a server started on SmolLM2-135M-Instruct, trained at 8,192
-tokens, or ``--url``), for each setting and context length:
-
-* **loss**: mean next-token NLL over the last 4,096 tokens of a text of that length; every
-  length's text ends at the same token (32,768 into the corpus), so every length scores the same
-  tokens with more or less context before them; **accuracy**: how often the true next token is
-  the model's top-1 there; **repeat**: the same over the second copy of a text repeated twice;
-* **passkey**: a 5-digit number hidden at several depths of filler, asked for at the end.
-
-The settings: every method at its defaults, the frequency methods also with ``factor: "auto"``,
-each again with log-n; past training, the ablations (:func:`ablations`) and the search for
-``auto``'s rule (:data:`AUTO_CANDIDATES`); or ``--settings`` alone. Within training log-n and a
-sized factor are identities: only their loss is measured, as a check. Each measurement is
-appended to ``bench/results/<stem>_runs.jsonl`` as it ends and skipped when found there.
+Over HTTP with the openai client (a server it starts, or ``--url``), per setting and length:
+**loss**, the mean NLL of the last 4,096 tokens of a text ending at the same corpus token at every
+length, and its top-1 **accuracy**; **repeat**, that accuracy over a passage's second copy;
+**passkey**, a 5-digit number hidden at several depths. The settings: every method at its
+defaults, the frequency methods also with ``factor: "auto"``, each with log-n too; past training,
+the ablations and the search for ``auto``'s rule; or ``--settings``. Each measurement is appended
+to ``bench/results/<stem>_runs.jsonl`` as it ends and skipped when found there.
 """
 
 from __future__ import annotations
@@ -52,17 +45,11 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 # windows than the default quarter, with log-n; the Self-Extend pairs that keep the far positions
 # inside training at 16k or 32k; dual-chunk attention with chunks as long as training.
 AUTO_CANDIDATES = [
-    {"method": "rerope", "window": TRAIN_LENGTH // 2, "log_n": True},
-    {"method": "rerope", "window": TRAIN_LENGTH * 3 // 4, "log_n": True},
-    {"method": "leaky_rerope", "window": TRAIN_LENGTH // 2, "log_n": True},
-    {"method": "leaky_rerope", "window": TRAIN_LENGTH * 3 // 4, "log_n": True},
-    {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 8, "log_n": True},
-    {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 8},
-    {"method": "self_extend", "window": TRAIN_LENGTH // 4, "group": 16, "log_n": True},
-    {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 4},
-    {"method": "self_extend", "window": TRAIN_LENGTH * 3 // 4, "group": 8},
-    {"method": "self_extend", "window": TRAIN_LENGTH * 3 // 4, "group": 16},
-    {"method": "self_extend", "window": TRAIN_LENGTH * 7 // 8, "group": 32},
+    *({"method": method, "window": TRAIN_LENGTH * eighths // 8, "log_n": True}
+      for method in ("rerope", "leaky_rerope") for eighths in (4, 6)),
+    *({"method": "self_extend", "window": TRAIN_LENGTH * eighths // 8, "group": group, **log_n}
+      for eighths, group, log_n in ((4, 8, {"log_n": True}), (4, 8, {}), (2, 16, {"log_n": True}), (4, 4, {}),
+                                    (6, 8, {}), (6, 16, {}), (7, 32, {}))),
     {"method": "dual_chunk", "chunk_size": TRAIN_LENGTH, "log_n": True},
     {"method": "dual_chunk", "chunk_size": TRAIN_LENGTH},
     {"method": "dual_chunk", "chunk_size": TRAIN_LENGTH, "local_window": TRAIN_LENGTH // 8, "log_n": True},

@@ -26,10 +26,10 @@ from fastapi.staticfiles import StaticFiles
 
 from rope_plugins.server.admission import Capacity
 from rope_plugins.server.config import ServerConfig
+from rope_plugins.server.engine import EngineService
 from rope_plugins.server.errors import install_error_handlers, quiet_model_output_tracebacks
 from rope_plugins.server.metrics import Metrics
 from rope_plugins.server.routes import chat, completions, models, playground, responses, system
-from rope_plugins.server.service import EngineService
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from rope_plugins.server.admission import Capacity
+from rope_plugins.server.engine import EngineService
 from rope_plugins.server.errors import invalid_api_key
-from rope_plugins.server.service import EngineService
 
 _bearer = HTTPBearer(auto_error=False)
 

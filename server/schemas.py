@@ -1,7 +1,7 @@
 """Request and response bodies, as the OpenAI API (and vLLM's server) shape them.
 
 Every field a request may carry is declared here, with its bounds: it is honoured (passed on to
-vLLM's own request model and serving class, :mod:`server.openai_serving`) or, if it cannot
+vLLM's own request model and serving class, :mod:`server.vllm_handlers`) or, if it cannot
 change the answer, accepted and ignored (:data:`IGNORED_FIELDS`). Any other field is refused
 with a 400 naming it, as is a bad value. Nested OpenAI objects (``response_format``, ``tools``,
 ``tool_choice``, ``structured_outputs``) are bounded in size here and checked field by field by

@@ -9,8 +9,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from rope_plugins.server.checks import check_model
 from rope_plugins.server.dependencies import ReadyService, ServerCapacity, require_api_key
 from rope_plugins.server.errors import STREAMED_RESPONSES, bad_request
+from rope_plugins.server.relay import serve, vllm_request
 from rope_plugins.server.schemas import ChatCompletion, ChatCompletionRequest
-from rope_plugins.server.serving import serve, vllm_request
 
 router = APIRouter(tags=["chat"], dependencies=[Depends(require_api_key)])
 

@@ -12,8 +12,8 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Vll
 from rope_plugins.server.checks import check_model
 from rope_plugins.server.dependencies import ReadyService, ServerCapacity, require_api_key
 from rope_plugins.server.errors import STREAMED_RESPONSES
+from rope_plugins.server.relay import serve, vllm_request
 from rope_plugins.server.schemas import Completion, CompletionRequest
-from rope_plugins.server.serving import serve, vllm_request
 
 router = APIRouter(tags=["completions"], dependencies=[Depends(require_api_key)])
 

@@ -9,8 +9,8 @@ from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as VllmR
 from rope_plugins.server.checks import check_model
 from rope_plugins.server.dependencies import ReadyService, ServerCapacity, require_api_key
 from rope_plugins.server.errors import STREAMED_RESPONSES
+from rope_plugins.server.relay import responses_events, serve, vllm_request
 from rope_plugins.server.schemas import ResponsesRequest
-from rope_plugins.server.serving import responses_events, serve, vllm_request
 
 router = APIRouter(tags=["responses"], dependencies=[Depends(require_api_key)])
 

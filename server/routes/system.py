@@ -14,6 +14,7 @@ from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest as VllmDe
 from rope_plugins.server.checks import check_model
 from rope_plugins.server.dependencies import AnyService, ReadyService, ServerCapacity, require_api_key
 from rope_plugins.server.errors import ERROR_RESPONSES, HEALTH_RESPONSES, health_status
+from rope_plugins.server.relay import refusal
 from rope_plugins.server.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -21,7 +22,6 @@ from rope_plugins.server.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from rope_plugins.server.serving import refusal
 
 router = APIRouter(tags=["system"])
 

@@ -3,7 +3,7 @@ tokenizer, and the measured generation. It knows no HTTP: the checks are pure fu
 (:mod:`rope_plugins.server.checks`), the settings are resolved by one function
 (:mod:`rope_plugins.server.extension`), admission is :mod:`rope_plugins.server.admission`.
 
-vLLM's serving classes (:mod:`rope_plugins.server.openai_serving`) render each request; before
+vLLM's serving classes (:mod:`rope_plugins.server.vllm_handlers`) render each request; before
 anything reaches the engine, every prompt is held to this server's bounds and its settings are
 resolved. :class:`ExtensionEngine` then gives each engine request those settings (in its
 ``extra_args``, its prefix-cache salt) and measures it.
@@ -121,7 +121,7 @@ class EngineService:
         self.created = int(time.time())
         self.state = "starting"  # starting, ready, failed, stopping
         self.failure: str | None = None
-        self.openai = None  # vLLM's serving classes around the engine (server.openai_serving)
+        self.openai = None  # vLLM's serving classes around the engine (server.vllm_handlers)
         self.grammars: GrammarCheck | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -145,7 +145,7 @@ class EngineService:
         return AsyncEngineArgs(**kwargs, disable_log_stats=False, enable_log_requests=False, generation_config="vllm")
 
     async def start(self, model: str) -> None:
-        from rope_plugins.server.openai_serving import build_openai_serving
+        from rope_plugins.server.vllm_handlers import build_openai_serving
 
         try:
             self.model_path = model

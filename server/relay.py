@@ -26,6 +26,7 @@ from vllm.exceptions import GenerationError, VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rope_plugins.server.admission import Capacity
+from rope_plugins.server.engine import EngineService
 from rope_plugins.server.errors import (
     APIError,
     ClientDisconnected,
@@ -39,7 +40,6 @@ from rope_plugins.server.errors import (
     vllm_error,
 )
 from rope_plugins.server.extension import applied_settings, attach_extension
-from rope_plugins.server.service import EngineService
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -6,7 +6,7 @@ parsers, structured outputs, sampling fields, log-probabilities and streaming fo
 ``/detokenize`` is its ``ServingTokenization``. They are built here as vLLM's own
 ``init_app_state`` builds them, with two of this project's pieces where vLLM leaves a seam:
 
-- the engine client is :class:`rope_plugins.server.service.ExtensionEngine` (vLLM's ``AsyncLLM``), which gives
+- the engine client is :class:`rope_plugins.server.engine.ExtensionEngine` (vLLM's ``AsyncLLM``), which gives
   every engine request its resolved ``context_extension`` settings and measures it;
 - the renderer is :class:`ExtensionRenderer` (vLLM's ``OnlineRenderer``), which checks each
   rendered prompt against this server's bounds and resolves its settings before anything
@@ -40,7 +40,7 @@ from rope_plugins.server.errors import API_PARAMS, bad_request, context_length_e
 from rope_plugins.server.extension import carry_settings
 
 if TYPE_CHECKING:
-    from rope_plugins.server.service import EngineService
+    from rope_plugins.server.engine import EngineService
 
 # vLLM's defaults for what `vllm serve` takes as flags, the ones this server does not expose
 CHAT_TEMPLATE_CONTENT_FORMAT = "auto"
