@@ -283,6 +283,7 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
     tokenizer = AutoTokenizer.from_pretrained(str(provision(DEFAULT_MODEL)))
     tokens = tokenizer(load_corpus("pydoc"), add_special_tokens=False)["input_ids"]
     log = out.with_name(out.stem + "_server.log")
+    head = harness.header()  # the commit the server runs, before anything can change the checkout
     server = start_server(["--log-level", "warning"], log, supervised=True)
     before = tree_rss(server.process.pid)
     warmed = warm_up(server.base, tokens, tokenizer, WARM_UP_METHODS) if warm else None
@@ -306,7 +307,7 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
     unfinished = sum(thread.is_alive() for thread in threads)
     server.stop()
     text = log.read_text()
-    return {**harness.header(), "minutes": minutes, "clients": clients, "warm_up": warmed,
+    return {**head, "minutes": minutes, "clients": clients, "warm_up": warmed,
             "requests": len(records), "prompt_tokens": [r["prompt_tokens"] for r in records],
             "answers_by_status": dict(Counter(str(r["status"]) for r in records)),
             "server_errors": sum(r["server_error"] for r in records), "abandoned": sum(r.get("abandoned", False)
