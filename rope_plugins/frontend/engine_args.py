@@ -81,6 +81,10 @@ _binding_set_here: str | None = None  # what compute_on_every_core last wrote th
 # recent primitives each, which hold the decode's counts; a small shared cache bounds the rest.
 ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 ONEDNN_PRIMITIVES_KEPT = 64
+# vLLM 0.32 saves an AOT-compiled model that it cannot load back when Inductor is off, as on the
+# CPU ("'function' object has no attribute 'finalize_loading'"), and compiles again at every start;
+# its older compile cache loads.
+AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
 
 
 def cpu_worker_cores(workers: int, cores: list[int]) -> str | None:
@@ -97,10 +101,12 @@ def compute_on_every_core(workers: int = 1) -> None:
     (tensor / pipeline parallelism) a share each: vLLM's automatic binding wants one NUMA node
     per worker, which one-socket machines lack. vLLM reads both in the engine process, which
     inherits the environment; values the user set are kept. The engine process also starts with
-    the libraries vLLM asks to preload (:func:`preload_cpu_libraries`) and a bounded oneDNN cache."""
+    the libraries vLLM asks to preload (:func:`preload_cpu_libraries`), a bounded oneDNN cache and
+    vLLM's compile cache that loads (``AOT_COMPILE_ENV``)."""
     global _binding_set_here
     preload_cpu_libraries()
     os.environ.setdefault(ONEDNN_CACHE_ENV, str(ONEDNN_PRIMITIVES_KEPT))
+    os.environ.setdefault(AOT_COMPILE_ENV, "0")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) <= FEW_CORES:
         os.environ.setdefault(RESERVED_CORES_ENV, "0")

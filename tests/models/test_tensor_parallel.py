@@ -58,12 +58,16 @@ def test_the_split_follows_each_engine_and_never_overrides_the_user(monkeypatch)
     assert engine.os.environ[engine.THREADS_BIND_ENV] == "nobind"
 
 
-def test_the_engine_gets_a_bounded_onednn_cache_unless_the_user_set_one(monkeypatch):
+def test_the_engine_gets_a_bounded_onednn_cache_and_a_loadable_compile_cache_unless_the_user_set_them(
+        monkeypatch):
     from rope_plugins.frontend import engine_args as engine
 
     monkeypatch.delenv(engine.ONEDNN_CACHE_ENV, raising=False)
+    monkeypatch.delenv(engine.AOT_COMPILE_ENV, raising=False)
     engine.compute_on_every_core()
     assert engine.os.environ[engine.ONEDNN_CACHE_ENV] == str(engine.ONEDNN_PRIMITIVES_KEPT)
+    assert engine.os.environ[engine.AOT_COMPILE_ENV] == "0"
     monkeypatch.setenv(engine.ONEDNN_CACHE_ENV, "1024")
+    monkeypatch.setenv(engine.AOT_COMPILE_ENV, "1")
     engine.compute_on_every_core()
-    assert engine.os.environ[engine.ONEDNN_CACHE_ENV] == "1024"
+    assert engine.os.environ[engine.ONEDNN_CACHE_ENV] == "1024" and engine.os.environ[engine.AOT_COMPILE_ENV] == "1"
