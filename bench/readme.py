@@ -109,17 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     stale = []
     for document in DOCUMENTS:
         text = document.read_text()
-        names = [name for name in block_names(text) if block(text, name) != generated(name)]
+        rendered = {name: generated(name) for name in block_names(text)}
+        names = [name for name, content in rendered.items() if block(text, name) != content]
         stale += names
         if not args.check:
             for name in names:
-                text = replace_block(text, name, generated(name))
+                text = replace_block(text, name, rendered[name])
             document.write_text(text)
     if args.check:
         print("\n".join(f"stale: {name}" for name in stale) or "every block is its results file's")
         return 1 if stale else 0
     print(f"rewrote {len(stale)} block(s): {', '.join(stale) or 'none stale'}")
     return 0
+
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))

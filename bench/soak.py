@@ -11,7 +11,7 @@ every method and ``auto``, chat and completions, some with a ``seed``, a JSON sc
 tool call, most streamed, a quarter of the streams dropped midway. Before the clock starts, one
 prompt at the served maximum per kernel path (``--warm-up``) fills what the engine keeps by design
 and sizes by length (the far-key rotation tables, one per setting, planner.FAR_TABLES_KEPT at most),
-so that the hour's slope measures leaks, not high-water marks. Each process's resident memory is
+so that the hour's slope leaves their growth out. Each process's resident memory is
 sampled every few seconds. The report: answers by status (no 5xx allowed), the supervisor's
 restarts (none allowed), the RSS slopes over the second half with their 95% intervals (the
 tree's and each process's), and TTFT and time per output token at p50 and p99, plotted.
