@@ -11,8 +11,7 @@ import sys
 
 # suite: (module, what it measures)
 SUITES = {
-    "speed": ("speed", "prefill and decode against stock vLLM, end to end"),
-    "tpot": ("tpot", "time per output token alone, on cached prompts"),
+    "speed": ("speed", "prefill and decode against stock vLLM (--cached: the decode alone)"),
     "kernels": ("attention_kernels", "the attention kernels against vLLM's"),
     "llama-cpp": ("llama_cpp_speed", "against llama.cpp on the same CPU"),
     "dtype": ("dtype_check", "which dtype answers correctly, each method's loss in both"),

@@ -1,37 +1,27 @@
-"""The CPU attention kernels on the same inputs: vLLM's paged kernel (what stock vLLM's
-prefill uses; no log-sum-exp), PyTorch's fused flash attention (what a PyTorch prefill would
-call, merged by log-sum-exp), and the plugin's one-pass C++ prefill (csrc/prefill_attention.cpp),
-with its input preparation (key tiles, value layout), twice: all keys far (the frequency
-methods' shape) and with a 1024-token window (ReRoPE's shape: near, far and straddling tiles).
-Queries and keys are left unrotated and the near and far parts get the same inputs, so every
-kernel computes the same causal attention and the outputs are compared.
+"""The CPU attention kernels on the same inputs: vLLM's paged kernel (stock vLLM's), PyTorch's
+fused flash attention (merged by log-sum-exp, as a PyTorch prefill would), and the plugin's
+one-pass C++ prefill and decode with their input preparation, all keys far (the frequency
+methods' shape) and with a 1024-token window (ReRoPE's).
 
-    .venv/bin/python bench/attention_kernels.py
+    .venv/bin/python -m bench kernels
 
-SmolLM2's shapes (9 query heads, 3 KV heads, head dim 64, float32), causal; each case is a
-chunk of queries over its context, as a prefill step sees it. vLLM's kernel reads keys
-from a paged cache written by vLLM's own op; PyTorch's runs as a PyTorch prefill would (KV heads
-repeated, one causal call over the chunk plus a dense call over older keys, merged by
-log-sum-exp). Interleaved repetitions, medians; outputs compared. Writes
-``bench/results/attention_kernels.json``.
+SmolLM2's heads (9 q / 3 kv, d64), causal chunks over their context as a prefill step sees
+them; rotations are identities, so every kernel computes the same attention and the outputs
+are compared. Interleaved repetitions, medians; writes bench/results/attention_kernels.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = harness.RESULTS
 QUERY_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
 SCALE = HEAD_DIM ** -0.5
 CASES = [(0, 4096), (0, 8192), (8192, 8192), (24576, 8192)]  # (context, chunk)
@@ -318,6 +308,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

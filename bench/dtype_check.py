@@ -1,30 +1,22 @@
 """Which dtype gives correct answers on vLLM's CPU backend, per provisioned model, stock and plugin.
 
-    .venv/bin/python bench/dtype_check.py                      # every provisioned model
-    .venv/bin/python bench/dtype_check.py --models gemma-3-270m
-    .venv/bin/python bench/dtype_check.py --stock-at 16384      # stock vLLM's own bfloat16 drift past training
+    .venv/bin/python -m bench dtype                      # every provisioned model
+    .venv/bin/python -m bench dtype --stock-at 16384     # stock vLLM's own bfloat16 drift past training
 
-For each model, dtype (float32, bfloat16) and engine (stock vLLM, the plugin with ``none``):
-the loss of 2k tokens of real text (mean negative log-likelihood of its tokens) and the greedy
-answer to a question: in a chat with the model's own template, or, for Gemma-3-270M (a
-pretrained base model, which does not chat), as a text to complete. A dtype is correct for a
-model when both engines answer the question and the loss stays within 0.05 nats of float32's.
-Writes bench/results/dtype.json.
+Per model, dtype and engine (stock, the plugin's ``none``): the loss of 2k tokens of real text
+and the greedy answer to a question (a chat, or a text to complete for Gemma-3-270M, a base
+model). Correct: both engines answer, and the loss is within 0.05 nats of float32's.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = harness.RESULTS
 DTYPES = ("float32", "bfloat16")
 LOSS_TOLERANCE = 0.05  # nats: more than this above float32's loss is a wrong model, not rounding
 TEXT_TOKENS = 2048
@@ -45,13 +37,33 @@ def real_text_ids(tokenizer, count: int = TEXT_TOKENS) -> list[int]:
     return tokenizer(load_corpus("pydoc")[: count * 8]).input_ids[:count]
 
 
-def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str) -> dict:
-    """One engine's loss on the real text and its answer to the question."""
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+def scored_and_answered(directory: Path, plugin: bool, prompts: list[dict], params: list, *,
+                        stock_overrides: dict | None = None, precision: str | None = None, **common) -> list:
+    """The outputs of stock vLLM (``stock_overrides`` its hf_overrides) or of the plugin, whose
+    requests ask for ``none`` (its default rerope only lets it serve past training); the engine is
+    shut down after."""
+    from vllm import LLM
 
     from rope_plugins.frontend.engine_args import engine_kwargs, extension_request
     from rope_plugins.rules.settings import engine_defaults, parse_settings
+
+    if plugin:
+        llm = LLM(**engine_kwargs(str(directory), defaults={"method": "rerope"}, attention_precision=precision,
+                                  **common))
+        none = parse_settings({"method": "none"}, engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config))
+        prompts, params = zip(*(extension_request(p, sp, none) for p, sp in zip(prompts, params)))
+    else:
+        llm = LLM(model=str(directory), **({"hf_overrides": stock_overrides} if stock_overrides else {}), **common)
+    try:
+        return llm.generate(list(prompts), list(params), use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str) -> dict:
+    """One engine's loss on the real text and its answer to the question."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     text_ids = real_text_ids(tokenizer)
@@ -61,19 +73,10 @@ def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str)
         question_ids = tokenizer(chat, add_special_tokens=False).input_ids
     else:
         question_ids = tokenizer(question).input_ids
-    common = dict(dtype=dtype, max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
-    llm = LLM(**engine_kwargs(str(directory), **common)) if plugin else LLM(model=str(directory), **common)
-    try:
-        prompts = [{"prompt_token_ids": text_ids}, {"prompt_token_ids": question_ids}]
-        params = [SamplingParams(max_tokens=1, prompt_logprobs=0), SamplingParams(max_tokens=64, temperature=0.0)]
-        if plugin:
-            defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
-            built = [extension_request(p, sp, parse_settings({"method": "none"}, defaults))
-                     for p, sp in zip(prompts, params)]
-            prompts, params = [b[0] for b in built], [b[1] for b in built]
-        scored, answered = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    scored, answered = scored_and_answered(
+        directory, plugin, [{"prompt_token_ids": text_ids}, {"prompt_token_ids": question_ids}],
+        [SamplingParams(max_tokens=1, prompt_logprobs=0), SamplingParams(max_tokens=64, temperature=0.0)],
+        dtype=dtype, max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
     losses = [-entry[text_ids[i + 1]].logprob for i, entry in enumerate(scored.prompt_logprobs[1:])]
     return {"loss": sum(losses) / len(losses), "answer": answered.outputs[0].text}
 
@@ -120,29 +123,15 @@ def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, preci
     """The mean NLL of the loss text's scored tokens under plain RoPE past training: stock vLLM
     with its position limit raised to ``length``, or the plugin's ``none`` at ``precision``."""
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-
-    from rope_plugins.frontend.engine_args import engine_kwargs, extension_request
-    from rope_plugins.rules.settings import engine_defaults, parse_settings
+    from vllm import SamplingParams
 
     ids, scored = loss_text(AutoTokenizer.from_pretrained(directory), length)
     room = length + 64  # the prompt and the one token generated after it
-    common = dict(dtype=dtype, max_model_len=room, kv_cache_memory_bytes=1 << 30, seed=0,
-                  max_num_batched_tokens=max(length // 2, 8192))
-    if engine == "stock":
-        llm = LLM(model=str(directory), hf_overrides={"max_position_embeddings": room}, **common)
-    else:
-        # past training the plugin wants a default method; the request asks for none
-        llm = LLM(**engine_kwargs(str(directory), defaults={"method": "rerope"}, attention_precision=precision,
-                                  **common))
-    try:
-        prompt, params = {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0)
-        if engine == "plugin":
-            defaults = engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config)
-            prompt, params = extension_request(prompt, params, parse_settings({"method": "none"}, defaults))
-        [scoring] = llm.generate([prompt], params, use_tqdm=False)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    [scoring] = scored_and_answered(directory, engine == "plugin", [{"prompt_token_ids": ids}],
+                                    [SamplingParams(max_tokens=1, prompt_logprobs=0)],
+                                    stock_overrides={"max_position_embeddings": room}, precision=precision,
+                                    dtype=dtype, max_model_len=room, kv_cache_memory_bytes=1 << 30, seed=0,
+                                    max_num_batched_tokens=max(length // 2, 8192))
     # prompt_logprobs[i] is the distribution before token i (the first is None)
     chosen = [scoring.prompt_logprobs[i][ids[i]].logprob for i in range(len(ids) - scored, len(ids))]
     return -sum(chosen) / len(chosen)
@@ -224,6 +213,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

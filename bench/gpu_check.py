@@ -1,28 +1,17 @@
-"""One command for GPU owners: are the Triton kernels (``rope_plugins/ops/gpu.py``) right on
-this GPU? Their speed against FlashAttention is ``bench/gpu_kernel_speed.py``'s.
+"""Are the Triton kernels (``rope_plugins/ops/gpu.py``) right on this GPU? (Their speed: ``gpu-kernels``.)
 
     .venv/bin/python -m bench gpu                          # on CUDA device 0 (a few minutes)
     .venv/bin/python -m bench gpu --interpret              # small, on this CPU
 
-The kernels against the float64 oracle (``rope_plugins/testing/reference.py``, computed on the
-CPU for each step's query rows only), one step per (head shape, dtype): head size 128 with GQA
-as Llama 3 8B (32 query / 8 KV heads) and 7:1 as Qwen2.5 7B (28 / 4), head size 64 at 7:1 as
-Qwen2.5 0.5B (14 / 2); float32 (IEEE dots), float16 and bfloat16, each with its tolerance on
-the error relative to the largest output of its row (``TOLERANCE``). A step is a paged cache
-(16-token blocks, shuffled) holding each row's context, and rows of every method (some with
-log-n): prefill chunks after a cached context and a first chunk, decode rows at 2,000 to 8,000
-keys. The step's keys and values go in with the cache-write kernel (three padded tokens at
-slot -1 among them, which it must skip; the rest must land exactly), then prefill and decode
-run on that cache with the plan the engine makes (``kernel_plan``). Every step of a shape holds
-the same numbers in each dtype (values on bfloat16's grid), so the oracle runs once per shape.
-
-Writes ``--out`` (default ``bench/results/gpu_check.json``: the GPU, CUDA, Triton and torch
-versions, every case's errors and verdict) after each case, and prints the table. Exit status:
-0 when every case is within its tolerance, 1 when one is not, 2 with no CUDA device and no
-``--interpret``, which runs at small sizes on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1``, set here before the kernels are imported), in float32 and float16 (the
-interpreter's bfloat16 dots are not trustworthy); ``tests/bench/test_gpu_check.py`` runs it. It
-ran on an NVIDIA H200 in three sessions (results/gpu_check.json).
+One paged step per (head shape, dtype): Llama 3 8B's heads (32 q / 8 kv, d128), Qwen2.5 7B's
+(28 / 4) and 0.5B's (14 / 2, d64); float32, float16, bfloat16. A step holds rows of every method
+(some with log-n): prefill chunks after a cached context, a first chunk, decode rows at 2,000 to
+8,000 keys. The cache-write kernel writes the step's keys (and padded tokens at slot -1, which
+it must skip), then prefill and decode run with the engine's plan; the output is compared with
+the float64 oracle (rope_plugins/testing/reference.py), relative to each row's largest output
+(``TOLERANCE``). ``--interpret`` runs small sizes under Triton's interpreter in float32 and
+float16 (its bfloat16 dots are not trustworthy). Writes ``--out`` after each case. Exit status:
+0 all within tolerance, 1 not, 2 no CUDA device and no ``--interpret``.
 """
 
 from __future__ import annotations
@@ -38,13 +27,10 @@ from pathlib import Path
 
 import torch
 
+from bench import harness
 from rope_plugins.attention.planner import KEY_TILE
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
-
-from bench import harness  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+RESULTS = harness.RESULTS
 BLOCK = 16  # tokens per cache block (vLLM's default on CUDA)
 PADDED = 3  # padded tokens (slot -1) in every cache write
 SPEED_CONFIGS = ["stock", "rerope", "leaky_rerope", "ntk_mixed"]
@@ -352,6 +338,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.out}")
     return 0 if report["kernels"]["passed"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

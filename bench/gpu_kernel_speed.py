@@ -1,43 +1,31 @@
-"""The Triton kernels' own speed on a GPU, at real sizes, beside PyTorch's FlashAttention:
-what can be timed on a CUDA machine that has no vLLM (``bench/gpu_check.py``'s part 2 needs
-vLLM's CUDA build and times whole engines).
+"""The Triton kernels' speed on a GPU at real sizes, beside PyTorch's FlashAttention (no vLLM needed).
 
-    python bench/gpu_kernel_speed.py                       # Llama 3 8B heads, bfloat16
-    python bench/gpu_kernel_speed.py --prefill 8192 --decode-context 16384 --decode-rows 8
+    .venv/bin/python -m bench gpu-kernels                       # Llama 3 8B heads, bfloat16
+    .venv/bin/python -m bench gpu-kernels --prefill 8192 --decode-context 16384 --decode-rows 8
 
-- **Prefill**: one row's first chunk of ``--prefill`` tokens over the paged cache (16-token
-  blocks, shuffled), per method, against ``torch.nn.functional.scaled_dot_product_attention``
-  restricted to its FlashAttention backend, causal, on the same (contiguous) queries, keys and
-  values already rotated. The plugin's kernel rotates queries and keys itself and, for
-  ReRoPE-style methods, scores straddling tiles twice; the baseline does neither. Swept over
-  the planner's query tile (``--query-tiles``).
-- **Decode**: ``--decode-rows`` rows of ``--decode-context`` cached keys, one query each; the
-  cache bytes read per second (the bound for decode) and the same against FlashAttention on
-  the GQA heads (``enable_gqa``).
-- **A real-size check**: plain RoPE (``method="none"``) from the kernels against
-  FlashAttention on keys and queries rotated in float32 by PyTorch: the largest difference
-  relative to the largest output.
+- **Prefill**: a first chunk of ``--prefill`` tokens over a shuffled paged cache, per method and
+  launch (query tile, key tile, warps), against causal FlashAttention on the same keys and
+  values rotated beforehand (the plugin rotates inside, and scores ReRoPE's straddling tiles twice).
+- **Decode**: ``--decode-rows`` rows of ``--decode-context`` keys, one query each; cache bytes read
+  per second, against FlashAttention on the GQA heads.
+- **Check**: ``none`` against FlashAttention on keys rotated by PyTorch in float32.
 
-Times are medians of ``triton.testing.do_bench``. Writes ``--out`` (JSON) and prints a table.
-FlashAttention here is PyTorch's build (FlashAttention-2 kernels); vLLM's own backend on a
-Hopper GPU is FlashAttention-3 on the paged cache, which this script does not have.
+Medians of ``triton.testing.do_bench``; writes ``--out``. PyTorch's FlashAttention is FA-2;
+vLLM's on Hopper is FA-3 on the paged cache, which this does not run.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+RESULTS = harness.RESULTS
 BLOCK = 16
 BASE = 500000.0  # Llama 3's rotary base
 TRAIN = 8192
@@ -322,6 +310,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

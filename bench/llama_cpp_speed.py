@@ -1,25 +1,15 @@
-"""The plugin against llama.cpp on the same CPU: the same SmolLM2-135M-Instruct, the same token
-ids, the same thread count, prefill and time per output token at long contexts.
+"""The plugin against llama.cpp on the same CPU: SmolLM2-135M-Instruct, the same token ids and
+threads, prefill and time per output token at long contexts.
 
     .venv/bin/python -m pip install -e '.[llama-cpp]'   # llama-cpp-python, built from source (minutes)
-    .venv/bin/python bench/llama_cpp_speed.py                  # 16k and 32k, 256 new tokens
-    .venv/bin/python bench/llama_cpp_speed.py --lengths 2048 --new-tokens 16 --out /tmp/l.json   # a quick look
+    .venv/bin/python -m bench llama-cpp                  # 16k and 32k, 256 new tokens
 
-The plugin serves the default checkpoint (bfloat16 weights, dequantized from the GGUF it
-ships in) with ``auto`` (server/auto.py: what a request past training runs), in bfloat16 and
-any other ``--plugin-dtypes``. llama.cpp runs through llama-cpp-python on the same checkpoint
-converted to GGUF by llama.cpp's own converter (F32 and BF16: both exact, the checkpoint being
-bfloat16), and on the Q4_1 GGUF the checkpoint comes from; with its defaults otherwise (f16 KV
-cache, 512-token batches), flash attention off and on, and YaRN from the trained 8k to the
-context (``--linear`` adds linear scaling: position interpolation). One run, the configurations
-interleaved (the plugin first, llama.cpp's order rotating every length), the report written after
-every measurement (``--resume`` goes on from it).
-
-Per run: the prefill of a fresh prompt (to its first token), then the time per output token of
-``--new-tokens`` greedy tokens after it, and the two together (end to end). llama.cpp times
-one ``generate`` of the prompt; the plugin's engine one request of one token on the fresh
-prompt, then requests of 1 and 1 + N tokens on the now-cached prompt (as bench/speed.py).
-Writes bench/results/llama_cpp_speed.json and llama_cpp_speed.png.
+The plugin serves ``auto`` (what a request past training runs) in bfloat16 (``--plugin-dtypes``).
+llama.cpp (llama-cpp-python, its defaults: f16 KV cache, 512-token batches) runs F32 and BF16
+GGUFs made by llama.cpp's own converter and the Q4_1 GGUF the checkpoint comes from, flash
+attention off and on, YaRN from the trained 8k. Interleaved, the report written after each run
+(``--resume`` goes on). llama.cpp times one ``generate``; the plugin one request on the fresh
+prompt, then 1 and 1 + N tokens on it cached.
 """
 
 from __future__ import annotations
@@ -37,11 +27,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+RESULTS = harness.RESULTS
 LLAMA_CPP_VERSION = "0.3.36"  # pyproject.toml's [llama-cpp] pin; its sdist holds the converter
 WEIGHTS = ("F32", "BF16", "Q4_1")
 # the converter and the gguf package it imports, as they sit in llama-cpp-python's sdist
@@ -315,6 +303,3 @@ def main(argv: list[str] | None = None) -> None:
     plot(report, args.out.with_suffix(".png"))
     print(markdown(report))
 
-
-if __name__ == "__main__":
-    main()

@@ -4,13 +4,12 @@
     .venv/bin/python -m bench quality                    # 4k-32k, with and without log-n (resumable)
     .venv/bin/python -m bench quality --table --readme   # the summary and its README block, from the log
 
-Over HTTP with the openai client (a server it starts, or ``--url``), per setting and length:
-**loss**, the mean NLL of the last 4,096 tokens of a text ending at the same corpus token at every
-length, and its top-1 **accuracy**; **repeat**, that accuracy over a passage's second copy;
-**passkey**, a 5-digit number hidden at several depths. The settings: every method at its
-defaults, the frequency methods also with ``factor: "auto"``, each with log-n too; past training,
-the ablations and the search for ``auto``'s rule; or ``--settings``. Each measurement is appended
-to ``bench/results/<stem>_runs.jsonl`` as it ends and skipped when found there.
+Per setting and length, over HTTP: **loss**, the mean NLL of the last 4,096 tokens of a text
+ending at the same corpus token at every length, and its top-1 accuracy; **repeat**, that
+accuracy over a passage's second copy; **passkey**, a 5-digit number hidden at several depths.
+Settings: every method at its defaults, the frequency methods also with ``factor: "auto"``,
+each with log-n too; past training, the ablations and the search behind ``auto``'s rule; or
+``--settings``. Each measurement is appended to bench/results/<stem>_runs.jsonl and skipped when there.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from typing import Any
 from bench import harness
 from rope_plugins.rules.settings import AUTO, ExtensionSettings, length_factor, positions_used
 
-RESULTS = harness.ROOT / "bench" / "results"
+RESULTS = harness.RESULTS
 METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope", "self_extend",
            "ntk_dynamic", "string", "dual_chunk", "auto"]
 SIZED_METHODS = ["pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn"]

@@ -1,8 +1,8 @@
 """The generated blocks of bench/README.md, docs/gpu.md and docs/layout.md: each is a results file as its
 benchmark's ``markdown(report)`` renders it (tables and the sentences that read them), between markers.
 
-    .venv/bin/python bench/readme.py            # rewrite every block from bench/results/
-    .venv/bin/python bench/readme.py --check    # name the blocks that differ from their results
+    .venv/bin/python -m bench readme            # rewrite every block from bench/results/
+    .venv/bin/python -m bench readme --check    # name the blocks that differ from their results
 
 A block starts with ``<!-- NAME.json: bench/readme.py -->`` and ends with
 ``<!-- end of NAME.json -->``; the prose around the blocks holds no measured number.
@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench import harness
+
+ROOT, RESULTS = harness.ROOT, harness.RESULTS
 DOCUMENT = ROOT / "bench" / "README.md"
 # the GPU's results beside what is verified there, the fuzzer's beside the suite
 DOCUMENTS = (DOCUMENT, ROOT / "docs" / "gpu.md", ROOT / "docs" / "layout.md")
@@ -26,7 +26,7 @@ RENDERERS = {
     "speed": ("bench.speed", "markdown"),
     "speed_bfloat16": ("bench.speed", "markdown"),
     "speed_bfloat16_amx_rounded": ("bench.speed", "markdown"),
-    "tpot_bfloat16_rounded": ("bench.tpot", "markdown"),
+    "tpot_bfloat16_rounded": ("bench.speed", "cached_markdown"),
     "attention_kernels": ("bench.attention_kernels", "markdown"),
     "llama_cpp_speed": ("bench.llama_cpp_speed", "markdown"),
     "eval": ("bench.quality", "markdown"),
@@ -122,7 +122,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rewrote {len(stale)} block(s): {', '.join(stale) or 'none stale'}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    sys.exit(main())

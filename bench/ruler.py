@@ -1,20 +1,16 @@
 """RULER (Hsieh et al., 2024) through EleutherAI's lm-eval against this server: every extension
 setting at 4k to 32k tokens, on SmolLM2-135M (trained at 8,192) and Qwen2.5-Coder-0.5B at a
-pretend training length of 4,096 (every setting names ``train_length: 4096``).
+pretend training length of 4,096.
 
     .venv/bin/python -m bench ruler --model smollm2-135m    # resumable; --budget-minutes N
     .venv/bin/python -m bench ruler --table --readme        # ruler.json/.png and its README block
 
-For each model, length, task and setting, one run of lm-eval's CLI (``local-completions``) with
-``--limit`` samples and the setting in every request's body. lm-eval builds RULER's samples from a
-fixed seed, sized by the model's own tokenizer. The tasks are those it builds offline
-(:data:`TASKS`; :data:`LEFT_OUT` download their text). Settings: :data:`SETTINGS`, each also with
-log-n past training, and the server's ``auto``. A setting that scored 0 on every task at one
-length is not run at the longer ones (``--after-zero`` runs it). Each run's per-sample scores land
-in ``bench/results/ruler_runs.jsonl``; a rerun skips what is there. The summary gives each score
-with a 95% Wilson interval and the effective length: the longest length whose score stays at or
-above 85.6% of the model's own 4k score (RULER's bar is Llama-2-7B's 4k score, 85.6, which no
-135M model reaches; scaled here to each model's own start).
+One lm-eval run (``local-completions``, ``--limit`` samples) per model, length, task
+(:data:`TASKS`, those built offline) and setting (:data:`SETTINGS`, with log-n past training,
+and ``auto``); a setting that scored 0 everywhere at one length skips the longer ones
+(``--after-zero``). Per-sample scores land in bench/results/ruler_runs.jsonl. The summary: each
+score with its 95% Wilson interval, and the effective length, the longest whose score stays at
+or above 85.6% of the model's own 4k score (RULER's bar, Llama-2-7B's 4k score, scaled).
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from pathlib import Path
 
 from bench import harness
 
-RESULTS = harness.ROOT / "bench" / "results"
+RESULTS = harness.RESULTS
 STEM = "ruler"
 TASKS = ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe"]
 LEFT_OUT = {"niah_single_2": "essays", "niah_single_3": "essays", "niah_multikey_1": "essays",

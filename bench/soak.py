@@ -1,20 +1,16 @@
-"""Soak: the server as ``make run`` starts it (under its supervisor), an hour of clients that use
-everything at once, watching that nothing fails, nothing restarts and nothing leaks.
+"""Soak: the server as ``make run`` starts it (under its supervisor), an hour of clients using
+everything at once: nothing may fail, restart or leak.
 
     .venv/bin/python -m bench soak                  # 60 minutes: bench/results/soak.{json,png}
     .venv/bin/python -m bench soak --minutes 3 --out /tmp/soak.json
 
-Four clients per running sequence (``--max-num-seqs``) send request after request: prompts of
-1,024 tokens up to the served maximum (density proportional to 1/length², so that a long prompt,
-whose prefill costs as its square, is as rare as it is dear; windows of CPython's documentation),
-every method and ``auto``, chat and completions, some with a ``seed``, a JSON schema or a forced
-tool call, most streamed, a quarter of the streams dropped midway. Before the clock starts, one
-prompt at the served maximum per kernel path (``--warm-up``) fills what the engine keeps by design
-and sizes by length (the far-key rotation tables, one per setting, planner.FAR_TABLES_KEPT at most),
-so that the hour's slope leaves their growth out. Each process's resident memory is
-sampled every few seconds. The report: answers by status (no 5xx allowed), the supervisor's
-restarts (none allowed), the RSS slopes over the second half with their 95% intervals (the
-tree's and each process's), and TTFT and time per output token at p50 and p99, plotted.
+Four clients per running sequence send request after request: prompts of 1,024 tokens up to the
+served maximum (density ∝ 1/length², as rare as they are dear), every method and ``auto``, chat
+and completions, seeds, JSON schemas, forced tool calls, streams (a quarter dropped midway).
+``--warm-up`` first sends one prompt at the served maximum per kernel path, so that the far-key
+tables the engine keeps by design are full before the clock. The report: answers by status (no
+5xx), the supervisor's restarts (none), each process's RSS slope over the second half with its
+95% interval, TTFT and time per output token at p50 and p99, plotted.
 """
 
 from __future__ import annotations
@@ -23,19 +19,15 @@ import argparse
 import json
 import math
 import random
-import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = harness.RESULTS
 MODEL = "SmolLM2-135M-Instruct"
 RUNNING = 8  # make run's --max-num-seqs
 CLIENTS = 4 * RUNNING
@@ -334,6 +326,3 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report))
     return 0 if not report["server_errors"] and not report["restarts"] and not report["tracebacks_in_log"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

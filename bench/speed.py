@@ -1,17 +1,15 @@
 """Speed of the plugin against stock vLLM (plain RoPE, same checkpoint, same engine settings).
 
-    .venv/bin/python bench/speed.py            # 2k, 8k, 16k x 3 repetitions; scaling to 32k
-    .venv/bin/python bench/speed.py --quick    # 2k, 8k; 2 repetitions; no scaling sweep
+    .venv/bin/python -m bench speed            # 2k, 8k, 16k x 3 repetitions; scaling to 32k
+    .venv/bin/python -m bench speed --quick    # 2k, 8k; 2 repetitions; no scaling sweep
+    .venv/bin/python -m bench speed --cached --dtype bfloat16   # the decode alone: 16k, 32k x 7
 
-Both engines live in this process for the whole run and the configurations are interleaved
-(the order rotates every repetition), so machine noise hits all alike; medians are reported.
-Per length and configuration: prefill time of a fresh prompt, and time per output token
-(TPOT) from two runs on the now-cached prompt (1 and 1+N new tokens). Then a batch of 8
-concurrent requests with mixed settings against 8 plain ones on stock vLLM, and the KV-cache
-bytes per token of both engines. Last, the scaling sweep: stock and ReRoPE alone at the extra
-lengths (default 4k and 32k, one repetition each: it is for the shape of the curves), which
-with the main lengths draws prefill and decode time against context from 2k to 32k.
-Writes bench/results/speed.json and speed.png.
+Both engines in this process, the configurations interleaved (the order rotating), medians.
+Per length and configuration: the prefill of a fresh prompt, and the time per output token
+from 1 and 1 + N new tokens on it cached; a batch of 8 mixed settings against 8 plain requests
+on stock; KV bytes per token; stock and ReRoPE alone at ``--scaling-lengths`` for the plot.
+``--cached`` samples the decode alone, each repetition on the same cached prompt (the machine's
+memory speed moves by a third within minutes). Writes bench/results/speed.json or tpot_<dtype>.json.
 """
 
 from __future__ import annotations
@@ -20,15 +18,12 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+RESULTS = harness.RESULTS
 KV_BYTES = 3 << 30
 CONFIGS = ["stock", "rerope", "leaky_rerope", "ntk_mixed"]
 # the targets against stock in the same dtype at every main length of 16k and more (time ratios;
@@ -138,22 +133,29 @@ def rotated(configs: list[str], rep: int) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--lengths", type=int, nargs="+", help="default 2k 8k 16k (--cached: 16k 32k)")
+    parser.add_argument("--reps", type=int, help="default 3 (--cached: 7)")
+    parser.add_argument("--decode-tokens", type=int, help="default 32 (--cached: 64)")
     parser.add_argument("--scaling-lengths", type=int, nargs="*", default=[4096, 32768],
                         help="extra lengths for stock and rerope only (the scaling plot)")
     parser.add_argument("--scaling-reps", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
+    parser.add_argument("--cached", action="store_true",
+                        help="the decode alone, each repetition on the same cached prompt (default out: tpot_<dtype>)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="both engines' model dtype (weights, activations and KV cache)")
     harness.add_attention_precision(
         parser, "a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw keys): each "
                 "operand rounded once, as stock vLLM's (bfloat16, the server's default) or to 2^-16 (float32)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "speed.json")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
+    defaults = ([16384, 32768], 7, 64) if args.cached else ([2048, 8192, 16384], 3, 32)
+    args.lengths, args.reps, args.decode_tokens = (given or default for given, default in zip(
+        (args.lengths, args.reps, args.decode_tokens), defaults))
+    args.scaling_lengths = [] if args.cached else args.scaling_lengths
+    args.out = args.out or RESULTS / (f"tpot_{args.dtype}.json" if args.cached else "speed.json")
     return args
 
 
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     run = SpeedRun.start(args)
     rng = random.Random(0)
     run.engines.warm_up()
+    if args.cached:
+        print(cached_markdown(measure_cached(run.engines, args, run.head())))
+        return
     run.measure_batch(rng)
     run.measure_lengths(rng)
     report = run.write_report()
@@ -249,16 +254,20 @@ class SpeedRun:
         return {n: {k: statistics.median(v) for k, v in samples[n].items()} for n in lengths
                 if samples[n]["prefill"] and samples[n]["tpot"]}
 
+    def head(self) -> dict:
+        """What every report of this run says first: what ran, and how."""
+        args = self.args
+        return {"date": harness.now(), "machine": harness.machine(),
+                "model": f"SmolLM2-135M-Instruct ({model_dtype(args)})", "dtype": args.dtype,
+                "attention_precision": args.attention_precision, "reps": args.reps,
+                "decode_tokens": args.decode_tokens, "lengths": args.lengths}
+
     def report(self) -> dict:
         """The report from what has been measured so far."""
-        args, samples, batch, median = self.args, self.samples, self.batch, statistics.median
+        samples, batch, median = self.samples, self.batch, statistics.median
+        args = self.args
         report = {
-            "date": harness.now(),
-            "machine": harness.machine(),
-            "model": f"SmolLM2-135M-Instruct ({model_dtype(args)})", "dtype": args.dtype, "reps": args.reps,
-            "attention_precision": args.attention_precision,
-            "decode_tokens": args.decode_tokens,
-            "lengths": args.lengths, "scaling_lengths": self.all_lengths,
+            **self.head(), "scaling_lengths": self.all_lengths,
             "median": {c: self.medians(c, args.lengths) for c in CONFIGS},
             "ratio_to_stock": {c: {n: {k: median(samples[c][n][k]) / median(samples["stock"][n][k])
                                        for k in ("prefill", "tpot")}
@@ -280,6 +289,52 @@ class SpeedRun:
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
         harness.write_json(report, self.args.out)
         return report
+
+
+def measure_cached(engines: SideBySide, args: argparse.Namespace, head: dict) -> dict:
+    """``--cached``: per configuration and length, ``--reps`` TPOT samples on one cached prompt;
+    the report written after every length."""
+    from tqdm import tqdm
+
+    rng, samples = random.Random(0), {c: {} for c in CONFIGS}
+    with tqdm(total=len(args.lengths) * len(CONFIGS) * (args.reps + 1), desc="tpot", unit="run") as bar:
+        for n in args.lengths:
+            prompts = {config: engines.prompt(rng, n) for config in CONFIGS}
+            for config in CONFIGS:  # the prefill that puts each prompt in its engine's cache
+                engines.run(config, prompts[config], 1)
+                bar.update()
+            for rep in range(args.reps):
+                for config in rotated(CONFIGS, rep):
+                    one = engines.run(config, prompts[config], 1)
+                    many = engines.run(config, prompts[config], 1 + args.decode_tokens)
+                    samples[config].setdefault(str(n), []).append((many - one) / args.decode_tokens)
+                    bar.set_postfix(length=n, config=config)
+                    bar.update()
+            report = cached_summary(samples, head)
+            harness.write_json(report, args.out)
+    return report
+
+
+def cached_summary(samples: dict[str, dict[str, list[float]]], head: dict) -> dict:
+    """Medians, ratios to stock's median and the samples (seconds per token), by configuration and length."""
+    median = {c: {n: statistics.median(v) for n, v in by_length.items()} for c, by_length in samples.items()}
+    ratio = {c: {n: median[c][n] / median["stock"][n] for n in median[c]} for c in CONFIGS if c != "stock"}
+    return {**head, "date": harness.now(), "median": median, "ratio_to_stock": ratio, "samples": samples}
+
+
+def cached_markdown(report: dict) -> str:
+    """A ``--cached`` report as bench/README.md shows it: a table of medians and the targets read."""
+    targets = TARGETS[report["dtype"]]["tpot"]
+    rows = [[f"{int(n) // 1024}k", config, f"{report['median'][config][n] * 1e3:.1f}",
+             f"{1.0 if config == 'stock' else report['ratio_to_stock'][config][n]:.2f}"]
+            for n in map(str, report["lengths"]) for config in CONFIGS]
+    missed = [f"{config} at {int(n) // 1024}k ({ratio:.2f}x)" for config, by_length in report["ratio_to_stock"].items()
+              for n, ratio in by_length.items() if ratio > targets[config]]
+    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}; medians of "
+            f"{report['reps']} interleaved repetitions on cached prompts; TPOT from {report['decode_tokens']} "
+            "new tokens):\n\n" + harness.markdown_table(["context", "config", "TPOT ms (median)", "x stock"], rows)
+            + "\n\n- Targets (at most " + ", ".join(f"{c} {t}x" for c, t in targets.items()) + " stock's time): "
+            + ("every one met." if not missed else "not met by " + ", ".join(missed) + "."))
 
 
 def plot(report: dict, path: Path) -> None:
@@ -318,6 +373,3 @@ def markdown(report: dict) -> str:
             f"{batch['tokens_per_second']['stock_plain']:.1f} for 8 plain requests on stock vLLM "
             f"(x{batch['throughput_ratio']:.2f}, target x{target}).")
 
-
-if __name__ == "__main__":
-    main()

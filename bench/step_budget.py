@@ -1,20 +1,13 @@
-"""The engine's step budget (``--max-num-batched-tokens``) under long prompts: how long a
-decoding request waits between tokens while another request's prompt is prefilled, against
-how fast prompts go through.
+"""The step budget (``--max-num-batched-tokens``) under long prompts: how long a decoding request
+waits between tokens while another's prompt is prefilled (a step runs one whole chunk of it),
+against how fast prompts go through.
 
-    .venv/bin/python bench/step_budget.py                          # budgets 8192 and 2048
-    .venv/bin/python bench/step_budget.py --budgets 8192 4096 2048 1024
-    .venv/bin/python bench/step_budget.py --budgets 2048 --reserved-cores 0 1 --out bench/results/reserved_cores.json
+    .venv/bin/python -m bench load                          # budgets 8192 and 2048
+    .venv/bin/python -m bench load --budgets 2048 --reserved-cores 0 1 --out bench/results/reserved_cores.json
 
-Each step runs every decoding request's next token plus up to the budget of prompt tokens,
-so a decode waits for a whole chunk of someone else's prompt: a smaller budget shortens the
-wait and splits prompts into more chunks. For each budget this starts a server with it
-(otherwise ``make run``'s settings, plus ``--enforce-eager`` for a quick start) and runs the
-same load test (deploy/loadtest.py, same prompts, mix and seed) against it, one budget after
-the other. ``--reserved-cores`` also varies how many cores vLLM's CPU worker leaves to its
-scheduler and the HTTP server (``VLLM_CPU_NUM_OF_RESERVED_CPU``; by default what
-``engine_kwargs`` picks). Writes every run's report to ``bench/results/step_budget.json``
-(``--out``) and a comparison beside it as PNG; prints a table.
+Per budget (and ``--reserved-cores``: ``VLLM_CPU_NUM_OF_RESERVED_CPU``), a server with
+``make run``'s settings and ``--enforce-eager``, and the same load test (deploy/loadtest.py)
+against it. Writes bench/results/step_budget.json (``--out``) and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -22,15 +15,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script too
+from bench import harness
 
-from bench import harness  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = harness.RESULTS
 # the load-test run of bench/README.md: prompts of 1k-12k tokens (past the 8k training length), two at a time
 WORKLOAD = ["--requests", "8", "--concurrency", "2", "--prompt-lengths", "1024,4096,8192,12288",
             "--output-tokens", "32", "--mix", "auto=1,rerope=1,ntk_mixed=1"]
@@ -148,6 +137,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

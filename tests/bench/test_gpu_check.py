@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 def interpreted(tmp_path_factory):
     """The command a GPU owner without a GPU would run, and the report it wrote."""
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
-    result = subprocess.run([sys.executable, "bench/gpu_check.py", "--interpret", "--out", str(out)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "bench", "gpu", "--interpret", "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())

@@ -19,3 +19,24 @@ def test_the_table_holds_every_config_at_every_main_length_and_the_batch():
     for length in report["lengths"]:
         assert all(f"| {length // 1024}k | {config} |" in text for config in speed.CONFIGS)
     assert f"x{report['batch8']['throughput_ratio']:.2f}" in text
+
+
+def test_cached_medians_and_ratios_follow_the_samples_and_the_targets_are_read():
+    samples = {"stock": {"16384": [0.050, 0.040, 0.060]}, "rerope": {"16384": [0.045, 0.044, 0.046]},
+               "leaky_rerope": {"16384": [0.060, 0.055, 0.058]}, "ntk_mixed": {"16384": [0.050, 0.049, 0.051]}}
+    head = {"machine": "test", "model": "m", "dtype": "bfloat16", "attention_precision": "float32", "reps": 3,
+            "decode_tokens": 64, "lengths": [16384]}
+    report = speed.cached_summary(samples, head)
+    assert report["median"]["stock"]["16384"] == 0.050
+    assert abs(report["ratio_to_stock"]["leaky_rerope"]["16384"] - 1.16) < 1e-9
+    table = speed.cached_markdown(report)
+    assert "| 16k | rerope | 45.0 | 0.90 |" in table
+    # ntk_mixed at exactly its target (1.00x) meets it; leaky_rerope does not
+    assert table.endswith("not met by leaky_rerope at 16k (1.16x).")
+
+
+def test_cached_runs_take_their_own_defaults_and_results_file():
+    cached, fresh = speed.parse_args(["--cached", "--dtype", "bfloat16"]), speed.parse_args([])
+    assert (cached.lengths, cached.reps, cached.decode_tokens, cached.scaling_lengths) == ([16384, 32768], 7, 64, [])
+    assert cached.out.name == "tpot_bfloat16.json" and fresh.out.name == "speed.json"
+    assert (fresh.lengths, fresh.reps, fresh.decode_tokens) == ([2048, 8192, 16384], 3, 32)
