@@ -9,7 +9,7 @@ from bench import readme, speed
 
 
 def test_bench_readme_shows_the_committed_results():
-    """Rerun `bench/readme.py` after a speed run."""
+    """Rerun `python -m bench readme` after a speed run."""
     assert readme.shown("speed") == readme.generated("speed")
 
 

@@ -57,7 +57,7 @@ def test_every_generated_block_has_a_renderer():
 
 @pytest.mark.parametrize("name", sorted(set(readme.RENDERERS) - CHECKED_ELSEWHERE))
 def test_bench_readme_shows_the_committed_results(name):
-    """Rerun `bench/readme.py` after a benchmark."""
+    """Rerun `python -m bench readme` after a benchmark."""
     assert readme.shown(name) == readme.generated(name)
 
 
