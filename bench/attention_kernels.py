@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -150,13 +151,11 @@ def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     return run
 
 
-def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0, rounded_once: bool = False):
+def plugin_decode(window: int, far_rule: bool, rounded_once: bool = False):
     """The plugin's C++ decode on its own cache layout ``[blocks, kv, bs, 2d]``, with identity
     rotations (its answer is plain attention) but the work of a ``window``-token band and, with
-    ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods). With
-    ``resident_blocks`` the block table wraps around the cache's first blocks, which stay in L2:
-    the kernel's arithmetic without the wait for memory. ``rounded_once``: attention_precision
-    bfloat16 (the raw keys' queries rounded once)."""
+    ``far_rule``, of turning every far key (Leaky ReRoPE, the frequency methods).
+    ``rounded_once``: attention_precision bfloat16 (the raw keys' queries rounded once)."""
     from rope_plugins.attention.planner import DECODE_FAR_STEP
     from rope_plugins.ops import cpu, native
 
@@ -167,8 +166,6 @@ def plugin_decode(window: int, far_rule: bool, resident_blocks: int = 0, rounded
         cache.view(rows, per_row * BLOCK, KV_HEADS, 2 * HEAD_DIM)[:, :seq] = torch.cat((key, value), dim=-1)
         cache = cache.transpose(1, 2).contiguous()
         table = torch.arange(rows * per_row)
-        if resident_blocks:
-            cache, table = cache[:resident_blocks].clone(), table % resident_blocks
         ones = lambda *shape: torch.ones(*shape, half)  # noqa: E731
         zeros = lambda *shape: torch.zeros(*shape, half)  # noqa: E731
         step = DECODE_FAR_STEP
@@ -204,6 +201,29 @@ DECODE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 2048)]  # (rows, keys per
 DECODE_CALLS = 20  # calls per timing (one call is milliseconds)
 
 
+def compared(runs: dict, reps: int, calls: int = 1) -> dict:
+    """Each of ``runs`` (functions of no arguments) timed ``calls`` calls per sample, interleaved,
+    after an untimed first call (allocation, caches): medians, samples, each as a multiple of
+    vLLM's, and the largest difference of any output from vLLM's."""
+    outputs = {name: run() for name, run in runs.items()}
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            began = time.perf_counter()
+            for _ in range(calls):
+                run()
+            times[name].append((time.perf_counter() - began) / calls)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {"seconds": medians, "samples": times, "over_vllm": {name: medians[name] / medians["vllm"] for name in runs},
+            "max_abs_difference": max(float((outputs["vllm"] - out).float().abs().max()) for out in outputs.values())}
+
+
+def said(case: str, row: dict) -> None:
+    print(f"{case}: vLLM {row['seconds']['vllm'] * 1e3:.2f} ms; x vLLM: "
+          + ", ".join(f"{name} {ratio:.2f}" for name, ratio in row["over_vllm"].items() if name != "vllm")
+          + f"; max |difference| {row['max_abs_difference']:.1e}", flush=True)
+
+
 def time_decode(reps: int, dtype: torch.dtype = torch.float32) -> list[dict]:
     """Each decode kernel on the same rows, ``DECODE_CALLS`` calls per sample, interleaved."""
     rows = []
@@ -211,71 +231,17 @@ def time_decode(reps: int, dtype: torch.dtype = torch.float32) -> list[dict]:
         query = torch.randn(batch, QUERY_HEADS, HEAD_DIM).to(dtype)
         key, value = torch.randn(2, batch, seq, KV_HEADS, HEAD_DIM).to(dtype)
         kernels = {**DECODE_KERNELS, **(DECODE_ROUNDED_ONCE if dtype == torch.bfloat16 else {})}
-        runs = {name: prepare(query, key, value) for name, prepare in kernels.items()}
-        times = {name: [] for name in runs}
-        outputs = {name: run() for name, run in runs.items()}  # first calls (allocation, caches) untimed
-        for _ in range(reps):
-            for name, run in runs.items():
-                began = time.perf_counter()
-                for _ in range(DECODE_CALLS):
-                    run()
-                times[name].append((time.perf_counter() - began) / DECODE_CALLS)
-        medians = {name: statistics.median(t) for name, t in times.items()}
+        row = {"rows": batch, "keys": seq, **compared({name: prepare(query, key, value)
+                                                       for name, prepare in kernels.items()}, reps, DECODE_CALLS)}
         cache_bytes = batch * seq * KV_HEADS * 2 * HEAD_DIM * 4
-        row = {"rows": batch, "keys": seq, "seconds": medians, "samples": times,
-               "over_vllm": {name: medians[name] / medians["vllm"] for name in runs},
-               "cache_gb_per_second": {name: cache_bytes / medians[name] / 1e9 for name in runs},
-               "max_abs_difference": max(float((outputs["vllm"] - out).float().abs().max())
-                                         for out in outputs.values())}
+        row["cache_gb_per_second"] = {name: cache_bytes / seconds / 1e9 for name, seconds in row["seconds"].items()}
         rows.append(row)
-        print(f"decode {batch} x {seq:6,} keys: vLLM {medians['vllm'] * 1e3:.2f} ms "
-              f"({row['cache_gb_per_second']['vllm']:.1f} GB/s of cache); x vLLM: "
-              + ", ".join(f"{name} {ratio:.2f}" for name, ratio in row["over_vllm"].items() if name != "vllm")
-              + f"; max |difference| {row['max_abs_difference']:.1e}", flush=True)
+        said(f"decode {batch} x {seq:6,} keys", row)
     return rows
 
 
-def markdown(report: dict) -> str:
-    """attention_kernels.json as bench/README.md shows it."""
-    rows = report["rows"]
-    others = [name for name in rows[0]["seconds"] if name != "vllm"]
-    dtype = "" if report.get("dtype", "float32") == "float32" else f", {report['dtype']}"
-    lines = [f"Measured {report['date'][:10]} on {report['machine']} ({report['torch_threads']} threads, medians of "
-             f"{report['reps']}{dtype}); each kernel's time as a multiple of vLLM's:", "",
-             "| context | chunk | vLLM s | " + " | ".join(others) + " | max abs difference |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in others) + " | --- |"]
-    lines += [f"| {r['context']:,} | {r['chunk']:,} | {r['seconds']['vllm']:.3f} | "
-              + " | ".join(f"{r['seconds'][name] / r['seconds']['vllm']:.2f}" for name in others)
-              + f" | {r['max_abs_difference']:.1e} |" for r in rows]
-    decode = report.get("decode", [])
-    if decode:
-        others = [name for name in decode[0]["seconds"] if name != "vllm"]
-        lines += ["", f"Decode (one query per row over its cached keys, {DECODE_CALLS} calls per sample, medians of "
-                  f"{max(report['reps'], 5)}); vLLM's time with the cache bytes it reads per second, each plugin "
-                  "kernel's time as a multiple of vLLM's:", "",
-                  "| rows x keys | vLLM ms | vLLM GB/s | " + " | ".join(others) + " | max abs difference |",
-                  "| --- | --- | --- | " + " | ".join("---" for _ in others) + " | --- |"]
-        lines += [f"| {r['rows']} x {r['keys']:,} | {r['seconds']['vllm'] * 1e3:.2f} | "
-                  f"{r['cache_gb_per_second']['vllm']:.1f} | "
-                  + " | ".join(f"{r['seconds'][name] / r['seconds']['vllm']:.2f}" for name in others)
-                  + f" | {r['max_abs_difference']:.1e} |" for r in decode]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="queries, keys and values (vLLM takes its AMX kernel in bfloat16 where the CPU has it)")
-    parser.add_argument("--out", type=Path, help="default: bench/results/attention_kernels[_bfloat16].json")
-    parser.add_argument("--decode-only", action="store_true", help="time the decode kernels only")
-    args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype)
-    out = args.out or RESULTS / f"attention_kernels{'' if args.dtype == 'float32' else '_' + args.dtype}.json"
-    torch.manual_seed(0)
-    decode_rows = time_decode(max(args.reps, 5), dtype)
-    if args.decode_only:
-        return 0
+def time_prefill(reps: int, dtype: torch.dtype) -> list[dict]:
+    """Each prefill kernel on the same chunks (CASES), interleaved."""
     from rope_plugins.ops import native
 
     tiles = dtype != torch.float32 and native.matrix_tiles_ready()
@@ -285,26 +251,52 @@ def main(argv: list[str] | None = None) -> int:
     for context, chunk in CASES:
         query = torch.randn(chunk, QUERY_HEADS, HEAD_DIM).to(dtype)
         key, value = torch.randn(2, context + chunk, KV_HEADS, HEAD_DIM).to(dtype)
-        times = {name: [] for name in kernels}
-        outputs = {}
-        for _ in range(args.reps):
-            for name, kernel in kernels.items():
-                began = time.perf_counter()
-                outputs[name] = kernel(query, key, value, context)
-                times[name].append(time.perf_counter() - began)
-        medians = {name: statistics.median(t) for name, t in times.items()}
-        row = {"context": context, "chunk": chunk, "seconds": medians, "samples": times,
-               "over_vllm": {name: medians[name] / medians["vllm"] for name in kernels},
-               "max_abs_difference": max(float((outputs["vllm"] - out).float().abs().max())
-                                         for out in outputs.values())}
-        rows.append(row)
-        print(f"context {context:6,} chunk {chunk:6,}: vLLM {medians['vllm']:.3f} s; x vLLM: "
-              + ", ".join(f"{name} {ratio:.2f}" for name, ratio in row["over_vllm"].items() if name != "vllm")
-              + f"; max |difference| {row['max_abs_difference']:.1e}", flush=True)
-    report = {"date": harness.now(), "machine": harness.machine(),
-              "torch_threads": torch.get_num_threads(), "reps": args.reps, "dtype": args.dtype, "rows": rows,
-              "decode": decode_rows}
+        runs = {name: partial(kernel, query, key, value, context) for name, kernel in kernels.items()}
+        rows.append({"context": context, "chunk": chunk, **compared(runs, reps)})
+        said(f"context {context:6,} chunk {chunk:6,}", rows[-1])
+    return rows
+
+
+def kernel_table(rows: list[dict], case: list[str], cells) -> list[str]:
+    """A table of ``rows``: ``case`` columns (``cells(row)`` gives them), then each plugin kernel's
+    time as a multiple of vLLM's, then the largest difference."""
+    others = [name for name in rows[0]["seconds"] if name != "vllm"]
+    return ["", harness.markdown_table(
+        [*case, *others, "max abs difference"],
+        [[*cells(r), *(f"{r['seconds'][name] / r['seconds']['vllm']:.2f}" for name in others),
+          f"{r['max_abs_difference']:.1e}"] for r in rows])]
+
+
+def markdown(report: dict) -> str:
+    """attention_kernels.json as bench/README.md shows it."""
+    dtype = "" if report.get("dtype", "float32") == "float32" else f", {report['dtype']}"
+    lines = [f"Measured {report['date'][:10]} on {report['machine']} ({report['torch_threads']} threads, medians of "
+             f"{report['reps']}{dtype}); each kernel's time as a multiple of vLLM's:"]
+    lines += kernel_table(report["rows"], ["context", "chunk", "vLLM s"],
+                          lambda r: [f"{r['context']:,}", f"{r['chunk']:,}", f"{r['seconds']['vllm']:.3f}"])
+    if report.get("decode"):
+        lines += ["", f"Decode (one query per row over its cached keys, {DECODE_CALLS} calls per sample, medians of "
+                  f"{max(report['reps'], 5)}); vLLM's time with the cache bytes it reads per second, each plugin "
+                  "kernel's time as a multiple of vLLM's:"]
+        lines += kernel_table(report["decode"], ["rows x keys", "vLLM ms", "vLLM GB/s"],
+                              lambda r: [f"{r['rows']} x {r['keys']:,}", f"{r['seconds']['vllm'] * 1e3:.2f}",
+                                         f"{r['cache_gb_per_second']['vllm']:.1f}"])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="queries, keys and values (vLLM takes its AMX kernel in bfloat16 where the CPU has it)")
+    parser.add_argument("--out", type=Path, help="default: bench/results/attention_kernels[_bfloat16].json")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    out = args.out or RESULTS / f"attention_kernels{'' if args.dtype == 'float32' else '_' + args.dtype}.json"
+    torch.manual_seed(0)
+    decode_rows = time_decode(max(args.reps, 5), dtype)
+    report = {"date": harness.now(), "machine": harness.machine(), "torch_threads": torch.get_num_threads(),
+              "reps": args.reps, "dtype": args.dtype, "rows": time_prefill(args.reps, dtype), "decode": decode_rows}
     harness.write_json(report, out)
     print(f"wrote {out}")
     return 0
-

@@ -174,21 +174,30 @@ def run_kernels(step, device: torch.device, sizes: Sizes, key_tile: int | None =
     return output.cpu(), torch.equal(cache, step.cache)
 
 
+def case_of(shape: Shape, dtype: str, tolerance: float, key_tile: int | None, **measured) -> dict:
+    """A case's record: what ran, then what was measured (or the error it raised)."""
+    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
+            "dtype": dtype, "key_tiles": key_tiles_of(key_tile), "tolerance": tolerance, **measured}
+
+
 def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, tolerance: float,
                device: torch.device, sizes: Sizes, key_tile: int | None) -> dict:
-    """One step in one dtype against the oracle's rows: the errors and the verdict."""
-    output, cache_exact = run_kernels(step, device, sizes, key_tile)
+    """One step in one dtype against the oracle's rows: the errors and the verdict (a kernel that
+    raised, e.g. bfloat16 before Ampere, is a failed case with its error)."""
+    try:
+        output, cache_exact = run_kernels(step, device, sizes, key_tile)
+    except Exception as error:
+        return case_of(shape, dtype, tolerance, key_tile, cache_write_exact=False, max_error=None,
+                       relative_error=None, passed=False, rows=[], error=f"{type(error).__name__}: {error}"[:4000])
     errors = [row_errors(output[int(step.starts[r]): int(step.starts[r + 1])], oracle)
               for r, oracle in enumerate(expected)]
     worst = {key: max(error[key] for error in errors) for key in ("max_error", "relative_error")}
     rows = [{"settings": settings.canonical(), "context": context, "new": new,
              **{key: finite(value) for key, value in error.items()}}
             for (settings, context, new), error in zip(step.rows, errors)]
-    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
-            "dtype": dtype, "key_tiles": key_tiles_of(key_tile), "tokens": int(step.starts[-1]),
-            "keys": int(step.seq_lens.sum()),
-            "cache_write_exact": cache_exact, **{key: finite(value) for key, value in worst.items()},
-            "tolerance": tolerance, "passed": cache_exact and worst["relative_error"] <= tolerance, "rows": rows}
+    return case_of(shape, dtype, tolerance, key_tile, tokens=int(step.starts[-1]), keys=int(step.seq_lens.sum()),
+                   cache_write_exact=cache_exact, **{key: finite(value) for key, value in worst.items()},
+                   passed=cache_exact and worst["relative_error"] <= tolerance, rows=rows)
 
 
 def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float], device: torch.device, *,
@@ -215,22 +224,10 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
                 assert torch.equal(step.query.float(), reference.query), "the dtypes' steps must hold the same numbers"
                 for key_tile in key_tiles:
                     bar.set_postfix_str(f"kernels: {shape.label}, {dtype}, key tile {key_tile or 'default'}")
-                    try:
-                        cases.append(check_case(step, expected, shape, dtype, tolerances[dtype], device, sizes,
-                                                key_tile))
-                    except Exception as error:  # not compiled or launched here (e.g. bfloat16 before Ampere)
-                        cases.append(failed_case(shape, dtype, tolerances[dtype], error, key_tile))
+                    cases.append(check_case(step, expected, shape, dtype, tolerances[dtype], device, sizes, key_tile))
                     on_case(cases)
                     bar.update()
     return {"passed": all(case["passed"] for case in cases), "complete": True, "block_size": BLOCK, "cases": cases}
-
-
-def failed_case(shape: Shape, dtype: str, tolerance: float, error: Exception, key_tile: int | None) -> dict:
-    """A case whose kernels raised: the error instead of the numbers."""
-    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
-            "dtype": dtype, "key_tiles": key_tiles_of(key_tile), "cache_write_exact": False,
-            "max_error": None, "relative_error": None,
-            "tolerance": tolerance, "passed": False, "rows": [], "error": f"{type(error).__name__}: {error}"[:4000]}
 
 
 def versions(device: torch.device) -> dict:

@@ -39,21 +39,18 @@ CONVERTER_FILES = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/c
 
 @dataclass(frozen=True)
 class LlamaCppConfig:
-    """One way of running llama.cpp: its weights' GGUF type, flash attention, RoPE scaling."""
+    """One way of running llama.cpp: its weights' GGUF type and flash attention (YaRN past training)."""
 
     weights: str
     flash_attn: bool
-    scaling: str = "yarn"  # or "linear"
 
     @property
     def name(self) -> str:
-        scaling = "" if self.scaling == "yarn" else f", {self.scaling}"
-        return f"llama.cpp {self.weights}, FA {'on' if self.flash_attn else 'off'}{scaling}"
+        return f"llama.cpp {self.weights}, FA {'on' if self.flash_attn else 'off'}"
 
 
-def llama_cpp_configs(linear: bool) -> list[LlamaCppConfig]:
-    configs = [LlamaCppConfig(weights, flash) for weights in WEIGHTS for flash in (False, True)]
-    return configs + ([LlamaCppConfig("F32", False, "linear")] if linear else [])
+def llama_cpp_configs() -> list[LlamaCppConfig]:
+    return [LlamaCppConfig(weights, flash) for weights in WEIGHTS for flash in (False, True)]
 
 
 def converter(cache: Path) -> Path:
@@ -111,11 +108,10 @@ def run_llama_cpp(config: LlamaCppConfig, gguf: Path, ids: list[int], new_tokens
     from llama_cpp import llama_cpp as constants
 
     n_ctx = len(ids) + new_tokens + 16
-    scaling = {"yarn": constants.LLAMA_ROPE_SCALING_TYPE_YARN, "linear": constants.LLAMA_ROPE_SCALING_TYPE_LINEAR}
-    if n_ctx <= train_length:  # inside training: plain RoPE
-        scaling = dict.fromkeys(scaling, constants.LLAMA_ROPE_SCALING_TYPE_NONE)
+    scaling = (constants.LLAMA_ROPE_SCALING_TYPE_YARN if n_ctx > train_length  # inside training: plain RoPE
+               else constants.LLAMA_ROPE_SCALING_TYPE_NONE)
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                          flash_attn=config.flash_attn, rope_scaling_type=scaling[config.scaling],
+                          flash_attn=config.flash_attn, rope_scaling_type=scaling,
                           rope_freq_scale=min(1.0, train_length / n_ctx), yarn_orig_ctx=train_length, verbose=False)
     try:
         return time_generation(llm.generate(ids, temp=0.0, top_k=1), new_tokens)
@@ -172,11 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--plugin-dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
-    parser.add_argument("--linear", action="store_true", help="also llama.cpp F32 with linear scaling (FA off)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads (vLLM: every core)")
     parser.add_argument("--out", type=Path, default=RESULTS / "llama_cpp_speed.json")
     parser.add_argument("--resume", action="store_true", help="keep --out's measurements and run only the rest")
-    parser.add_argument("--markdown", action="store_true", help="print --out as bench/README.md shows it and stop")
     return parser.parse_args(argv)
 
 
@@ -198,7 +192,7 @@ class Comparison:
         compute_on_every_core()
         longest = max(args.lengths) + args.new_tokens + 64
         self.engines = [PluginEngine(str(model), dtype, longest) for dtype in args.plugin_dtypes]
-        self.llama_cpp = llama_cpp_configs(args.linear)
+        self.llama_cpp = llama_cpp_configs()
         self.report = {"date": harness.now(),
                        "machine": harness.machine(), "threads": args.threads,
                        "model": model.name, "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
@@ -296,9 +290,6 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.markdown:
-        print(markdown(json.loads(args.out.read_text())))
-        return
     report = Comparison(args).run()
     plot(report, args.out.with_suffix(".png"))
     print(markdown(report))

@@ -15,6 +15,7 @@ memory speed moves by a third within minutes). Writes bench/results/speed.json o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -37,13 +38,6 @@ BATCH_MIX = [{"method": "rerope"}, {"method": "leaky_rerope"}, {"method": "ntk_m
              {"method": "yarn"}, {"method": "pi"}, {"method": "rerope", "log_n": True}, {"method": "ntk_fixed"}]
 
 
-def engine_arguments(max_len: int, **more) -> dict:
-    """The engine arguments the speed benchmarks' engines share: a
-    ``max_len`` context, a whole long prompt in at most two steps."""
-    return dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=max_len, max_num_batched_tokens=max(max_len // 2, 8192),
-                seed=0, **more)
-
-
 def random_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     """``length`` random token ids (none of the first hundred, where special tokens sit)."""
     return [rng.randrange(100, min(vocab, 40000)) for _ in range(length)]
@@ -54,72 +48,62 @@ class SideBySide:
     configuration: ``"stock"``, or a method's name for the plugin (the request's settings,
     salted for the prefix cache like any other's)."""
 
-    def __init__(self, stock, plugin) -> None:
-        from rope_plugins.rules.settings import engine_defaults
-
-        self.stock, self.plugin = stock, plugin
-        self.defaults = engine_defaults(plugin.llm_engine.vllm_config.model_config.hf_config)
-        self.vocab = plugin.llm_engine.vllm_config.model_config.get_vocab_size()
-
-    @classmethod
-    def start(cls, model: str, attention_precision: str | None = None, **common) -> "SideBySide":
-        """Both engines on ``model`` with the same engine arguments; stock vLLM's
-        ``max_position_embeddings`` raised to ``max_model_len`` so that it accepts as long a
-        prompt, the plugin's default method ReRoPE (``attention_precision``: its AMX tiles' arithmetic)."""
-        from vllm import LLM
-
-        from rope_plugins.frontend.engine_args import engine_kwargs
-
-        stock = LLM(model=model, hf_overrides={"max_position_embeddings": common["max_model_len"]}, **common)
-        return cls(stock, LLM(**engine_kwargs(model, defaults={"method": "rerope"},
-                                              attention_precision=attention_precision, **common)))
-
-    @classmethod
-    def for_tokens(cls, model: str, longest: int, dtype: str, attention_precision: str | None) -> "SideBySide":
-        """Both engines on every core (the same cores for stock and plugin), long enough for
-        ``longest`` tokens (rounded up to a power of two), with bench/speed.py's engine arguments."""
+    def __init__(self, model: str, longest: int, dtype: str, attention_precision: str | None) -> None:
+        """Both engines on every core, with the same engine arguments: a context of ``longest``
+        tokens rounded up to a power of two, a whole long prompt in at most two steps. Stock
+        vLLM's ``max_position_embeddings`` is raised to that so that it accepts as long a prompt;
+        the plugin's default method is ReRoPE."""
         # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
         os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
-        from rope_plugins.frontend.engine_args import compute_on_every_core
+        from vllm import LLM
+
+        from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs
+        from rope_plugins.rules.settings import engine_defaults
 
         compute_on_every_core()
-        return cls.start(model, attention_precision=attention_precision,
-                         **engine_arguments(1 << (longest - 1).bit_length(), dtype=dtype))
+        served = 1 << (longest - 1).bit_length()
+        common = dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=served,
+                      max_num_batched_tokens=max(served // 2, 8192), seed=0, dtype=dtype)
+        self.stock = LLM(model=model, hf_overrides={"max_position_embeddings": served}, **common)
+        self.plugin = LLM(**engine_kwargs(model, defaults={"method": "rerope"},
+                                          attention_precision=attention_precision, **common))
+        self.defaults = engine_defaults(self.plugin.llm_engine.vllm_config.model_config.hf_config)
+        self.vocab = self.plugin.llm_engine.vllm_config.model_config.get_vocab_size()
 
     def prompt(self, rng: random.Random, length: int) -> list[int]:
         return random_prompt(rng, self.vocab, length)
 
-    def run(self, config: str, ids: list[int], max_tokens: int) -> float:
-        """Seconds for one request of ``ids`` and ``max_tokens`` new tokens (greedy, past EOS)."""
-        from vllm import SamplingParams
-
+    def requests(self, config: str, prompts: list[list[int]], params) -> tuple[object, list, list]:
+        """The engine of ``config`` and its requests of ``prompts``: stock's as they are, the
+        plugin's under ``config`` (a method's name, or each prompt's settings fields)."""
         from rope_plugins.frontend.engine_args import extension_request
         from rope_plugins.rules.settings import parse_settings
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         if config == "stock":
-            llm, prompt = self.stock, {"prompt_token_ids": ids}
-        else:
-            llm = self.plugin
-            prompt, params = extension_request({"prompt_token_ids": ids}, params,
-                                               parse_settings({"method": config}, self.defaults))
+            return self.stock, [{"prompt_token_ids": ids} for ids in prompts], [params] * len(prompts)
+        fields = [{"method": config}] * len(prompts) if isinstance(config, str) else config
+        built = [extension_request({"prompt_token_ids": ids}, params, parse_settings(f, self.defaults))
+                 for ids, f in zip(prompts, fields)]
+        return self.plugin, [b[0] for b in built], [b[1] for b in built]
+
+    def run(self, config, prompts: list[list[int]], max_tokens: int) -> float:
+        """Seconds for requests of ``prompts`` and ``max_tokens`` new tokens each (greedy, past EOS)."""
+        from vllm import SamplingParams
+
+        llm, built, params = self.requests(config, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                            ignore_eos=True))
         began = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate(built, params, use_tqdm=False)
         return time.perf_counter() - began
 
-    def warm_up(self, lengths: tuple[int, ...] = (64,)) -> None:
-        """A short request per engine and length (compilation, first-call work)."""
-        for length in lengths:
-            self.run("stock", [5] * length, 2), self.run("rerope", [5] * length, 2)
+    def warm_up(self) -> None:
+        """A short request per engine (compilation, first-call work)."""
+        self.run("stock", [[5] * 64], 2), self.run("rerope", [[5] * 64], 2)
 
-    def prefill_and_tpot(self, config: str, ids: list[int], decode_tokens: int) -> tuple[float, float]:
-        """Prefill seconds of the fresh prompt ``ids`` (one step's worth of new tokens: 1), then
-        the seconds per output token on the now-cached prompt, from 1 and 1 + ``decode_tokens``
-        new tokens."""
-        prefill = self.run(config, ids, 1)
-        one = self.run(config, ids, 1)
-        many = self.run(config, ids, 1 + decode_tokens)
-        return prefill, (many - one) / decode_tokens
+    def tpot(self, config: str, ids: list[int], decode_tokens: int) -> float:
+        """Seconds per output token on the cached prompt ``ids``, from 1 and 1 + ``decode_tokens`` new tokens."""
+        one = self.run(config, [ids], 1)
+        return (self.run(config, [ids], 1 + decode_tokens) - one) / decode_tokens
 
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -169,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     run.measure_batch(rng)
     run.measure_lengths(rng)
-    report = run.write_report()
+    run.write_report()
+    report = json.loads(args.out.read_text())  # as bench/README.md reads it: lengths as strings
     plot(report, args.out.with_suffix(".png"))
     print(markdown(report))
 
@@ -199,35 +184,21 @@ class SpeedRun:
 
     @classmethod
     def start(cls, args: argparse.Namespace) -> SpeedRun:
-        """The engines on the default model, long enough for every length and the decode tokens,
-        on every core."""
+        """The engines on the default model, long enough for every length (the batch's too) and the decode tokens."""
         from rope_plugins.models.provision import provision_default_model
 
-        longest = max(args.lengths + args.scaling_lengths) + args.decode_tokens + 64
-        return cls(args, SideBySide.for_tokens(str(provision_default_model()), longest, args.dtype,
-                                               args.attention_precision))
+        batch = [] if args.cached else [BATCH_LENGTH]
+        longest = max(args.lengths + args.scaling_lengths + batch) + args.decode_tokens + 64
+        return cls(args, SideBySide(str(provision_default_model()), longest, args.dtype, args.attention_precision))
 
     def measure_batch(self, rng: random.Random) -> None:
         """A batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM, once
         per repetition (which goes first alternates)."""
-        from vllm import SamplingParams
-
-        from rope_plugins.frontend.engine_args import extension_request
-        from rope_plugins.rules.settings import parse_settings
-
-        engines = self.engines
         for rep in range(self.args.reps):
-            prompts = [engines.prompt(rng, BATCH_LENGTH) for _ in BATCH_MIX]
-            params = SamplingParams(max_tokens=BATCH_TOKENS, temperature=0.0, ignore_eos=True)
-            built = [extension_request({"prompt_token_ids": p}, params, parse_settings(f, engines.defaults))
-                     for p, f in zip(prompts, BATCH_MIX)]
-            for name in (["plugin_mixed", "stock_plain"] if rep % 2 == 0 else ["stock_plain", "plugin_mixed"]):
-                began = time.perf_counter()
-                if name == "stock_plain":
-                    engines.stock.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-                else:
-                    engines.plugin.generate([b[0] for b in built], [b[1] for b in built], use_tqdm=False)
-                self.batch[name].append(len(prompts) * BATCH_TOKENS / (time.perf_counter() - began))
+            prompts = [self.engines.prompt(rng, BATCH_LENGTH) for _ in BATCH_MIX]
+            for name, config in [("plugin_mixed", BATCH_MIX), ("stock_plain", "stock")][::1 if rep % 2 == 0 else -1]:
+                seconds = self.engines.run(config, prompts, BATCH_TOKENS)
+                self.batch[name].append(len(prompts) * BATCH_TOKENS / seconds)
 
     def measure_lengths(self, rng: random.Random) -> None:
         """Prefill and TPOT of every configuration at the main lengths, ``--reps`` times, then of
@@ -241,8 +212,9 @@ class SpeedRun:
         with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
             for rep, n, configs in jobs:
                 for config in rotated(configs, rep):
-                    prefill, tpot = self.engines.prefill_and_tpot(config, self.engines.prompt(rng, n),
-                                                                  args.decode_tokens)
+                    ids = self.engines.prompt(rng, n)
+                    prefill = self.engines.run(config, [ids], 1)  # the fresh prompt: one step's worth of new tokens
+                    tpot = self.engines.tpot(config, ids, args.decode_tokens)
                     self.samples[config][n]["prefill"].append(prefill)
                     self.samples[config][n]["tpot"].append(tpot)
                     bar.set_postfix(length=n, config=config)
@@ -301,13 +273,12 @@ def measure_cached(engines: SideBySide, args: argparse.Namespace, head: dict) ->
         for n in args.lengths:
             prompts = {config: engines.prompt(rng, n) for config in CONFIGS}
             for config in CONFIGS:  # the prefill that puts each prompt in its engine's cache
-                engines.run(config, prompts[config], 1)
+                engines.run(config, [prompts[config]], 1)
                 bar.update()
             for rep in range(args.reps):
                 for config in rotated(CONFIGS, rep):
-                    one = engines.run(config, prompts[config], 1)
-                    many = engines.run(config, prompts[config], 1 + args.decode_tokens)
-                    samples[config].setdefault(str(n), []).append((many - one) / args.decode_tokens)
+                    samples[config].setdefault(str(n), []).append(engines.tpot(config, prompts[config],
+                                                                               args.decode_tokens))
                     bar.set_postfix(length=n, config=config)
                     bar.update()
             report = cached_summary(samples, head)
