@@ -17,6 +17,8 @@ ATTENTION_OPS = ("cpu", "triton")
 # default, for its loss and its speed: bench/README.md "Which dtype" and "On a CPU with AMX")
 PRECISION_KEY = "rope_extend_attention_precision"
 ATTENTION_PRECISIONS = ("float32", "bfloat16")
+# vLLM's --kv-cache-dtype names of an fp8 cache (rope_plugins.ops.cpu.FP8_FORMATS: the format of each)
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_ATTENTION_PRECISION = "bfloat16"
 
 

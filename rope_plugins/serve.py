@@ -49,7 +49,7 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
 from rope_plugins.frontend.engine_args import plugin_engine_config, seeded_worker_class, settings_processor
-from rope_plugins.plugin import ATTENTION_PRECISIONS
+from rope_plugins.plugin import ATTENTION_PRECISIONS, FP8_CACHE_DTYPES
 from rope_plugins.rules.settings import (
     AUTO,
     EXTRA_ARGS_KEY,
@@ -161,7 +161,8 @@ def vllm_cli_available() -> bool:
 
 
 def serve_command(model: str, *, defaults: dict[str, Any] | None = None, max_model_len: int | None = None,
-                  prefix_caching: bool = True, attention_precision: str | None = None) -> list[tuple[str, ...]]:
+                  prefix_caching: bool = True, attention_precision: str | None = None,
+                  kv_cache_dtype: str | None = None) -> list[tuple[str, ...]]:
     """``vllm serve`` serving ``model`` with the plugin, as argument groups (a flag and its value);
     where the ``vllm`` command cannot start (:func:`vllm_cli_available`), the same server as
     ``python -m vllm.entrypoints.openai.api_server --model``."""
@@ -181,6 +182,8 @@ def serve_command(model: str, *, defaults: dict[str, Any] | None = None, max_mod
         groups.append(("--additional-config", json.dumps(config["additional_config"], separators=(",", ":"))))
     if not prefix_caching:
         groups.append(("--no-enable-prefix-caching",))
+    if kv_cache_dtype not in (None, "auto"):
+        groups.append(("--kv-cache-dtype", kv_cache_dtype))
     return groups
 
 
@@ -217,12 +220,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw keys "
                              "by AVX512_BF16): bfloat16 (default) rounds each operand once, as stock vLLM does; "
                              "float32 keeps it to 2^-16 (slower on AMX)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", *FP8_CACHE_DTYPES],
+                        help="what the KV cache holds: auto (the model's dtype), or fp8 (fp8_e4m3) and fp8_e5m2, "
+                             "half of bfloat16's bytes per token (vLLM's own flag, passed on)")
     args = vars(parser.parse_args(argv))
     defaults = {name: args[name] for name in ("method", *DEFAULT_NUMBERS, "log_n") if args[name] is not None}
     try:
         groups = serve_command(args["checkpoint"], defaults=defaults, max_model_len=args["max_model_len"],
                                prefix_caching=args["prefix_caching"],
-                               attention_precision=args["attention_precision"])
+                               attention_precision=args["attention_precision"],
+                               kv_cache_dtype=args["kv_cache_dtype"])
     except (SettingsError, ValueError) as error:
         parser.error(str(error))
     print(shell_command(groups))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from rope_plugins.models.catalog import DEFAULT_MODEL, MODELS
-from rope_plugins.plugin import DEFAULT_ATTENTION_PRECISION
+from rope_plugins.plugin import DEFAULT_ATTENTION_PRECISION, FP8_CACHE_DTYPES
 from rope_plugins.rules.settings import AUTO, METHOD_NAMES
 
 ENV_PREFIX = "ROPE_EXTEND_"
@@ -60,6 +60,9 @@ class ServerConfig(BaseModel):
         description="a bfloat16 model's attention operands: bfloat16 rounds each once, as stock vLLM's CPU attention "
                     "does; float32 keeps each to 2^-16 as two bfloat16 parts (slower on AMX)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
+    kv_cache_dtype: Literal["auto", *FP8_CACHE_DTYPES] = Field(  # type: ignore[valid-type]
+        "auto", description="what the KV cache holds: auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, half "
+                            "of bfloat16's bytes per token (the checkpoint's scales, else 1)")
     max_num_seqs: int = Field(8, description="sequences decoded together")
     # a decoding request waits for each step's prompt chunk: the step-budget measurement
     # (bench/README.md) picks this one for the gap between tokens at the same throughput

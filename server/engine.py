@@ -136,7 +136,8 @@ class EngineService:
         kwargs = engine_kwargs(
             model, defaults=self.engine_default, max_model_len=config.max_model_len, dtype=dtype,
             attention_precision=config.attention_precision,
-            kv_cache_memory_bytes=config.kv_cache_memory, max_num_seqs=config.max_num_seqs,
+            kv_cache_memory_bytes=config.kv_cache_memory, kv_cache_dtype=config.kv_cache_dtype,
+            max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             enforce_eager=config.enforce_eager, served_model_name=self.model_name or None, seed=0,
             tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,

@@ -95,9 +95,15 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = cpu.FP8_FORMATS.get(kv_cache_dtype)  # None: the cache holds the model's dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.use_kernel = True  # the tests switch it off to hold the plain PyTorch path against the oracle
-        self.rounded_once = rounded_once_in(get_current_vllm_config_or_none())
+        config = get_current_vllm_config_or_none()
+        self.rounded_once = rounded_once_in(config)
+        triton = torch.cuda.is_available() or (config is not None and runs_triton(config, torch.device("cpu")))
+        if self.fp8 is not None and triton:
+            raise NotImplementedError(f"--kv-cache-dtype {kv_cache_dtype}: the Triton kernels do not read an fp8 "
+                                      "cache yet; the CPU ops do")
         if not torch.cuda.is_available():
             cpu.built_kernels()  # build or load them now, at model construction, not inside the first step
 
@@ -120,16 +126,19 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
             gpu.prefill(query, kv_cache, plan, output, scale=self.scale)
             gpu.decode(query, kv_cache, plan, output, scale=self.scale)
             return output
+        scales = cpu.CacheScales()
+        if self.fp8 is not None:  # vLLM allocates an fp8 cache as bytes
+            kv_cache, scales = kv_cache.view(self.fp8), cpu.CacheScales(layer._k_scale_float, layer._v_scale_float)
         if self.kv_sharing_target_layer_name is None:
-            cpu.write_cache(key, value, kv_cache, plan.slot_mapping, use_kernel=self.use_kernel)
+            cpu.write_cache(key, value, kv_cache, plan.slot_mapping, use_kernel=self.use_kernel, scales=scales)
         if plan.decode is not None:
             output[plan.decode.tokens] = cpu.decode(query[plan.decode.tokens], kv_cache, plan.decode, plan.query,
                                                     scale=self.scale, use_kernel=self.use_kernel,
-                                                    rounded_once=self.rounded_once)
+                                                    rounded_once=self.rounded_once, scales=scales)
         for row in plan.prefill:
             output[row.tokens] = cpu.prefill(query[row.tokens], plan.query, kv_cache, plan.block_table[row.row], row,
                                              scale=self.scale, use_kernel=self.use_kernel,
-                                             rounded_once=self.rounded_once)
+                                             rounded_once=self.rounded_once, scales=scales)
         return output
 
 
@@ -138,7 +147,8 @@ class RopeExtendAttentionBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    # "auto": the model's dtype; fp8: keys and values quantized per tensor (rope_plugins.ops.cpu.quantized)
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", *cpu.FP8_FORMATS]
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:

@@ -9,17 +9,54 @@ they are read; the output is rounded once, to the model's dtype).
 Without a C++ compiler plain PyTorch computes the same rule in float32:
 :func:`prefill_plain` and :func:`decode_plain` score every key a query sees at its near and
 far angle and pick by distance. The float64 oracle holds both paths in the tests.
+
+An fp8 cache (``--kv-cache-dtype fp8``, ``fp8_e4m3``, ``fp8_e5m2``) holds each key and value
+divided by its layer's scale and rounded as stock vLLM's CPU cache rounds them
+(:func:`quantized`); reading multiplies the scale back (:class:`CacheScales`). Keys are cached
+unrotated, so the quantization never sees a position. The plain paths read it for now.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from rope_plugins.attention.planner import DECODE_FAR_STEP, KEY_TILE, DecodePlan, PrefillRow, QueryPlan
 from rope_plugins.ops import native
+from rope_plugins.plugin import FP8_CACHE_DTYPES
 from rope_plugins.rules.rotary import rotate_by
+
+# the format each fp8 cache holds (vLLM allocates it as bytes)
+FP8_FORMATS = dict(zip(FP8_CACHE_DTYPES, (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheScales:
+    """What a cached key and value are multiplied by when read (an fp8 cache's per-tensor scales,
+    the layer's ``k_scale`` and ``v_scale``; 1 for any other cache)."""
+
+    key: float = 1.0
+    value: float = 1.0
+
+
+def is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantized(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` in the fp8 ``dtype`` as stock vLLM 0.32's CPU cache writes it: in float32,
+    saturated at the format's largest finite value, rounded toward zero (its writes match this
+    bit for bit: tests/ops/test_fp8_cache.py)."""
+    largest = torch.finfo(dtype).max
+    exact = (x.float() / scale).clamp(-largest, largest)
+    nearest = exact.to(dtype)
+    bits = nearest.view(torch.uint8)
+    # round to nearest, then one step toward zero where that went past x (never past zero: the
+    # magnitude's bits count up from it)
+    away = (nearest.float().abs() > exact.abs()) & (bits & 0x7F > 0)
+    return torch.where(away, bits - 1, bits).view(dtype)
 
 
 @functools.cache
@@ -43,22 +80,31 @@ def rotated_queries(query: torch.Tensor, plan: QueryPlan, tokens) -> tuple[torch
 
 
 def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                use_kernel: bool = True) -> None:
+                use_kernel: bool = True, scales: CacheScales = CacheScales()) -> None:
     """Unrotated keys and values into their slots: kv_cache ``[blocks, kv_heads, block, 2d]``
-    (one C++ call where it is built)."""
-    if use_kernel and built_kernels() is not None:
+    (one C++ call where it is built; an fp8 cache's, :func:`quantized` by ``scales``)."""
+    if is_fp8(kv_cache):
+        key, value = quantized(key, scales.key, kv_cache.dtype), quantized(value, scales.value, kv_cache.dtype)
+    elif use_kernel and built_kernels() is not None:
         native.write_cache(key=key, value=value, kv_cache=kv_cache, slots=slot_mapping)
         return
     block_size = kv_cache.shape[2]
     slots = slot_mapping.long()
-    kv_cache[slots // block_size, :, slots % block_size] = torch.cat((key, value), dim=-1)
+    # fp8 has no index_put: its bytes are written
+    target = kv_cache.view(torch.uint8) if is_fp8(kv_cache) else kv_cache
+    rows = torch.cat((key, value), dim=-1)
+    target[slots // block_size, :, slots % block_size] = rows.view(torch.uint8) if is_fp8(kv_cache) else rows
 
 
-def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's unrotated keys and values, ``[seq_len, kv, d]`` each."""
+def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
+                  scales: CacheScales = CacheScales()) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's unrotated keys and values, ``[seq_len, kv, d]`` each (an fp8 cache's in
+    float32, times ``scales``)."""
     blocks = kv_cache[block_ids[: -(-seq_len // kv_cache.shape[2])]]  # [nb, kv, bs, 2d]
     cached = blocks.transpose(1, 2).reshape(-1, kv_cache.shape[1], kv_cache.shape[3])[:seq_len]
     head_dim = kv_cache.shape[3] // 2
+    if is_fp8(kv_cache):
+        return cached[..., :head_dim].float() * scales.key, cached[..., head_dim:].float() * scales.value
     return cached[..., :head_dim], cached[..., head_dim:]
 
 
@@ -123,25 +169,27 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
 
 
 def prefill(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-            row: PrefillRow, *, scale: float, use_kernel: bool = True, rounded_once: bool = False) -> torch.Tensor:
+            row: PrefillRow, *, scale: float, use_kernel: bool = True, rounded_once: bool = False,
+            scales: CacheScales = CacheScales()) -> torch.Tensor:
     """One request's chunk from its unrotated queries ``[L, heads, d]``: the C++ kernel where it
     serves them (:func:`uses_prefill_kernel`; ``rounded_once``: its AMX tiles' operands), else
-    :func:`prefill_plain`."""
-    if use_kernel and uses_prefill_kernel(query):
+    :func:`prefill_plain` (an fp8 cache's, read times ``scales``)."""
+    if use_kernel and uses_prefill_kernel(query) and not is_fp8(kv_cache):
         return prefill_kernel(query, queries, kv_cache, block_ids, row, scale=scale, rounded_once=rounded_once)
-    return prefill_plain(query, queries, kv_cache, block_ids, row, scale=scale)
+    return prefill_plain(query, queries, kv_cache, block_ids, row, scale=scale, scales=scales)
 
 
 PLAIN_SCORES = 1 << 24  # score entries per query chunk of the plain prefill (it holds a near and a far matrix)
 
 
 def prefill_plain(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                  row: PrefillRow, *, scale: float, scores_per_chunk: int = PLAIN_SCORES) -> torch.Tensor:
+                  row: PrefillRow, *, scale: float, scores_per_chunk: int = PLAIN_SCORES,
+                  scales: CacheScales = CacheScales()) -> torch.Tensor:
     """:func:`prefill_kernel` in plain PyTorch (float32 scores): per chunk of queries, every
     score at its far angle, the near band's at its near angle, the rule's pick from each
     query's first near key, the causal mask and one softmax. The fallback where
     no C++ compiler is, or for other dtypes; the oracle holds it in the tests."""
-    keys, values = sequence_keys(kv_cache, block_ids, row.seq_len)
+    keys, values = sequence_keys(kv_cache, block_ids, row.seq_len, scales)
     near_query, far_query = rotated_queries(query, queries, row.tokens)
     far_keys = rotate_by(keys, row.far_keys.cos, row.far_keys.sin) if row.far_keys is not None else keys
     band_keys = None
@@ -171,25 +219,26 @@ def gqa_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *, scale: float,
-           use_kernel: bool = True, rounded_once: bool = False) -> torch.Tensor:
+           use_kernel: bool = True, rounded_once: bool = False, scales: CacheScales = CacheScales()) -> torch.Tensor:
     """All decode rows at once from their unrotated queries ``[Rd, heads, d]``: the C++ kernel
     (it reads the paged cache in place and rotates as it goes; ``rounded_once``: the far queries
-    rounded once against raw bfloat16 keys), else :func:`decode_plain`."""
+    rounded once against raw bfloat16 keys), else :func:`decode_plain` (an fp8 cache's, read
+    times ``scales``)."""
     if not (use_kernel and kv_cache.dtype in KERNEL_DTYPES and built_kernels() is not None):
-        return decode_plain(query, kv_cache, plan, queries, scale=scale)
+        return decode_plain(query, kv_cache, plan, queries, scale=scale, scales=scales)
     return native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache, scale=scale,
                                    rounded_once=rounded_once_on(kv_cache, rounded_once)).to(query.dtype)
 
 
 def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,
-                 scale: float) -> torch.Tensor:
+                 scale: float, scales: CacheScales = CacheScales()) -> torch.Tensor:
     """All decode rows at once, block by block of the paged cache, in float32: ``[Rd, heads, d]``."""
     rows, heads, d = query.shape
     near_query, far_query = rotated_queries(query.float(), queries, plan.tokens)
     blocks = kv_cache[plan.block_ids].float()  # [Rd, nb, kv, bs, 2d]: the one copy of the cache
     _, num_blocks, kv, block_size, _ = blocks.shape
     queries_per_kv = heads // kv
-    keys, values = blocks[..., :d], blocks[..., d:]
+    keys, values = blocks[..., :d] * scales.key, blocks[..., d:] * scales.value
     if plan.far_keys is not None:  # rows with ρ = 0 take the identity rotation
         table = plan.far_keys.table_of_row.clamp(min=0)
         identity = (plan.far_keys.table_of_row < 0)[:, None, None]

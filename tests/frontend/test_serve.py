@@ -144,7 +144,8 @@ def test_the_printed_command_is_engine_kwargs_read_by_vllms_parser(tiny_llama_di
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     serve.main([str(tiny_llama_dir), "--method", "rerope", "--window", str(WINDOW), "--max-model-len",
-                str(MAX_MODEL_LEN), "--no-enable-prefix-caching", "--attention-precision", "bfloat16"])
+                str(MAX_MODEL_LEN), "--no-enable-prefix-caching", "--attention-precision", "bfloat16",
+                "--kv-cache-dtype", "fp8_e5m2"])
     words = shlex.split(capsys.readouterr().out.replace("\\\n", " "))  # as the shell reads its continued lines
     flags = words[words.index("--max-model-len"):]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", str(tiny_llama_dir), *flags])
@@ -154,6 +155,7 @@ def test_the_printed_command_is_engine_kwargs_read_by_vllms_parser(tiny_llama_di
     assert args.middleware == ["rope_plugins.serve.EngineSettings"]
     assert args.enable_prefix_caching is False
     assert args.additional_config == {PRECISION_KEY: "bfloat16"}
+    assert args.kv_cache_dtype == "fp8_e5m2"
 
 
 def test_every_numeric_setting_is_a_default_flag(tiny_llama_dir, capsys):

@@ -85,3 +85,16 @@ def test_the_app_quiets_every_tool_parsers_logger_whatever_vllm_does_to_its_hand
     for name in ("hermes_tool_parser", "llama_tool_parser"):
         assert any(isinstance(found, ModelOutputTraceback)
                    for found in logging.getLogger(f"vllm.tool_parsers.{name}").filters), name
+
+
+def test_the_kv_cache_dtype_flag_reaches_the_engine_and_a_bad_one_is_refused(tiny_llama_dir):
+    import pytest
+
+    from rope_plugins.server.engine import EngineService
+    from rope_plugins.server.metrics import Metrics
+
+    for flag, expected in (([], "auto"), (["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2")):
+        service = EngineService(parse_config(["--max-model-len", "256", *flag], environ={}), Metrics())
+        assert service.engine_args(str(tiny_llama_dir)).kv_cache_dtype == expected
+    with pytest.raises(SystemExit):
+        parse_config(["--kv-cache-dtype", "int4"], environ={})

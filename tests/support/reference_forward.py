@@ -9,6 +9,7 @@ local ones) keep transformers' own rotation and attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,10 +33,14 @@ def sliding_window_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 class ReferenceModel:
-    def __init__(self, directory: Path):
+    """``cached``: what the KV cache makes of a key or value before attention reads it (an fp8
+    cache's quantization; None: nothing), applied to the unrotated keys as the plugin caches them."""
+
+    def __init__(self, directory: Path, cached: Callable[[torch.Tensor], torch.Tensor] | None = None):
         from transformers import AttentionInterface, AutoModelForCausalLM
 
         self.settings: ExtensionSettings | None = None
+        self.cached = cached
         # transformers' attention registry is global: a name of its own per model, or the model
         # built last would answer for every earlier one (its settings, its rotary)
         name = f"{ATTENTION_NAME}_{id(self):x}"
@@ -53,6 +58,8 @@ class ReferenceModel:
         if getattr(module, "is_sliding", False):  # a stock local layer: q and k arrive rotated
             return sliding_window_attention(query, key, value, module.sliding_window, scaling), None
         # query [1, H, L, d], key/value [1, Hkv, L, d] -> [1, L, H, d]
+        if self.cached is not None:
+            key, value = self.cached(key), self.cached(value)
         out = reference_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                   self.settings, base=self.base, rope=self.rope, softmax_scale=scaling)
         return out[None], None
