@@ -85,6 +85,10 @@ ONEDNN_PRIMITIVES_KEPT = 64
 # CPU ("'function' object has no attribute 'finalize_loading'"), and compiles again at every start;
 # its older compile cache loads.
 AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
+# tcmalloc keeps the pages of freed spans and takes new ones when no free run fits the next large
+# tensor: a worker's resident memory climbed in steps for hours while what it had allocated stayed
+# flat (docs/soak_memory.md). Decommitting freed spans at once keeps the resident memory to what is in use.
+TCMALLOC_DECOMMIT_ENV = "TCMALLOC_AGGRESSIVE_DECOMMIT"
 
 
 def cpu_worker_cores(workers: int, cores: list[int]) -> str | None:
@@ -101,12 +105,14 @@ def compute_on_every_core(workers: int = 1) -> None:
     (tensor / pipeline parallelism) a share each: vLLM's automatic binding wants one NUMA node
     per worker, which one-socket machines lack. vLLM reads both in the engine process, which
     inherits the environment; values the user set are kept. The engine process also starts with
-    the libraries vLLM asks to preload (:func:`preload_cpu_libraries`), a bounded oneDNN cache and
-    vLLM's compile cache that loads (``AOT_COMPILE_ENV``)."""
+    the libraries vLLM asks to preload (:func:`preload_cpu_libraries`), a bounded oneDNN cache,
+    vLLM's compile cache that loads (``AOT_COMPILE_ENV``) and tcmalloc returning freed pages
+    (``TCMALLOC_DECOMMIT_ENV``)."""
     global _binding_set_here
     preload_cpu_libraries()
     os.environ.setdefault(ONEDNN_CACHE_ENV, str(ONEDNN_PRIMITIVES_KEPT))
     os.environ.setdefault(AOT_COMPILE_ENV, "0")
+    os.environ.setdefault(TCMALLOC_DECOMMIT_ENV, "true")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) <= FEW_CORES:
         os.environ.setdefault(RESERVED_CORES_ENV, "0")

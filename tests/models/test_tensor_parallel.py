@@ -58,16 +58,18 @@ def test_the_split_follows_each_engine_and_never_overrides_the_user(monkeypatch)
     assert engine.os.environ[engine.THREADS_BIND_ENV] == "nobind"
 
 
-def test_the_engine_gets_a_bounded_onednn_cache_and_a_loadable_compile_cache_unless_the_user_set_them(
+def test_the_engine_gets_a_bounded_onednn_cache_a_loadable_compile_cache_and_decommitting_tcmalloc_unless_set(
         monkeypatch):
     from rope_plugins.frontend import engine_args as engine
 
-    monkeypatch.delenv(engine.ONEDNN_CACHE_ENV, raising=False)
-    monkeypatch.delenv(engine.AOT_COMPILE_ENV, raising=False)
+    ours = {engine.ONEDNN_CACHE_ENV: str(engine.ONEDNN_PRIMITIVES_KEPT), engine.AOT_COMPILE_ENV: "0",
+            engine.TCMALLOC_DECOMMIT_ENV: "true"}
+    for name in ours:
+        monkeypatch.delenv(name, raising=False)
     engine.compute_on_every_core()
-    assert engine.os.environ[engine.ONEDNN_CACHE_ENV] == str(engine.ONEDNN_PRIMITIVES_KEPT)
-    assert engine.os.environ[engine.AOT_COMPILE_ENV] == "0"
-    monkeypatch.setenv(engine.ONEDNN_CACHE_ENV, "1024")
-    monkeypatch.setenv(engine.AOT_COMPILE_ENV, "1")
+    assert {name: engine.os.environ[name] for name in ours} == ours
+    users = {engine.ONEDNN_CACHE_ENV: "1024", engine.AOT_COMPILE_ENV: "1", engine.TCMALLOC_DECOMMIT_ENV: "false"}
+    for name, value in users.items():
+        monkeypatch.setenv(name, value)
     engine.compute_on_every_core()
-    assert engine.os.environ[engine.ONEDNN_CACHE_ENV] == "1024" and engine.os.environ[engine.AOT_COMPILE_ENV] == "1"
+    assert {name: engine.os.environ[name] for name in users} == users
