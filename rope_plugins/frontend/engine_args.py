@@ -87,7 +87,7 @@ ONEDNN_PRIMITIVES_KEPT = 64
 AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
 # tcmalloc keeps the pages of freed spans and takes new ones when no free run fits the next large
 # tensor: a worker's resident memory climbed in steps for hours while what it had allocated stayed
-# flat (docs/soak_memory.md). Decommitting freed spans at once keeps the resident memory to what is in use.
+# flat (docs/design.md, memory over hours). Decommitting freed spans at once keeps it to what is in use.
 TCMALLOC_DECOMMIT_ENV = "TCMALLOC_AGGRESSIVE_DECOMMIT"
 
 
