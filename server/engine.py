@@ -181,8 +181,9 @@ class EngineService:
                 f"{config.auto_method}{' with log_n' if self.defaults.auto_log_n else ''}"
                 if config.auto_method else "the evaluated rule (server/auto.py)")
         logger.info("engine ready in %.0f s: model %r, trained at %d tokens, serving up to %d; default "
-                    "extension %s%s", seconds, self.model_name, self.train_length, config.max_model_len,
-                    config.extension_defaults(), auto)
+                    "extension %s%s; KV cache %s: %d tokens of %d bytes", seconds, self.model_name, self.train_length,
+                    config.max_model_len, config.extension_defaults(), auto, config.kv_cache_dtype,
+                    self.kv_cache_tokens, config.kv_cache_memory // max(1, self.kv_cache_tokens))
 
     def shutdown(self) -> None:
         if self.state != "failed":  # a failed engine stays failed: the exit status says so
@@ -192,6 +193,12 @@ class EngineService:
 
     def tool_parser(self) -> str | None:
         return None if self.config.tool_call_parser == "none" else self.config.tool_call_parser
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """The tokens the engine's KV cache holds (0 before it is up)."""
+        cache = self.engine.vllm_config.cache_config if self.engine is not None else None
+        return (cache.num_gpu_blocks or 0) * cache.block_size if cache is not None else 0
 
     @property
     def train_length(self) -> int:

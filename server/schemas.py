@@ -460,6 +460,14 @@ class RotaryCard(BaseModel):
     attention_factor: float  # what the checkpoint's rotary puts on q and k (a declared YaRN's)
 
 
+class KVCacheCard(BaseModel):
+    """What the engine's KV cache holds (--kv-cache-dtype, --kv-cache-memory)."""
+
+    dtype: str  # auto (the model's dtype), fp8, fp8_e4m3 or fp8_e5m2
+    tokens: int  # the tokens it holds, over every running sequence
+    bytes_per_token: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -469,6 +477,7 @@ class ModelCard(BaseModel):
     max_model_len: int  # the served maximum: prompt + completion tokens
     train_length: int  # the checkpoint's training context ('auto' stays plain RoPE within it)
     rotary: RotaryCard
+    kv_cache: KVCacheCard
     default_context_extension: dict[str, Any]
 
 

@@ -1,4 +1,4 @@
-"""GET /v1/models: the served model, its served maximum context, its training length and rotary."""
+"""GET /v1/models: the served model, its served maximum context, its training length, rotary and KV cache."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 
 from rope_plugins.server.dependencies import ReadyService, require_api_key
 from rope_plugins.server.errors import ERROR_RESPONSES
-from rope_plugins.server.schemas import ModelCard, ModelList, RotaryCard
+from rope_plugins.server.schemas import KVCacheCard, ModelCard, ModelList, RotaryCard
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 
@@ -19,4 +19,6 @@ async def list_models(service: ReadyService) -> ModelList:
         max_model_len=service.config.max_model_len, train_length=service.train_length,
         rotary=RotaryCard(kind=rotary.kind, base=rotary.base, head_dim=rotary.head_dim,
                           attention_factor=rotary.attention_factor),
+        kv_cache=KVCacheCard(dtype=service.config.kv_cache_dtype, tokens=service.kv_cache_tokens,
+                             bytes_per_token=service.config.kv_cache_memory // max(1, service.kv_cache_tokens)),
         default_context_extension={**service.config.extension_defaults(), "auto_method": service.config.auto_method})])

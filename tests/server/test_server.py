@@ -209,6 +209,9 @@ def test_models_health_version_metrics_tokenize(server, client):
     assert card.id == MODEL and card.model_extra["max_model_len"] == 4096 and card.model_extra["train_length"] == 8192
     # SmolLM2's config: plain RoPE at base 100000, head dim 64
     assert card.model_extra["rotary"] == {"kind": "default", "base": 100000.0, "head_dim": 64, "attention_factor": 1.0}
+    # float32 K and V of 30 layers, 3 KV heads of 64: 46,080 bytes a token (and what whole blocks leave over)
+    cache = card.model_extra["kv_cache"]
+    assert cache["dtype"] == "auto" and cache["tokens"] >= 4096 and 46080 <= cache["bytes_per_token"] < 46080 * 1.05
     assert httpx.get(f"{server.base}/health").status_code == 200  # no key needed
     assert httpx.get(f"{server.base}/version").json()["version"] == package_version("rope-extend-server")
     counted = ("rope_extend_requests_total", "rope_extend_prompt_tokens_total", "rope_extend_generation_tokens_total",
