@@ -132,3 +132,11 @@ def test_every_method_mixed_and_chunked_on_an_fp8_cache_matches_the_oracle(fp8_e
         errors = torch.cat(((result.prompt_logprobs - prompt_expected).abs(), (result.logprobs - expected).abs()))
         assert float(errors.median()) <= TYPICAL and float(errors.max()) <= WORST, (fields, errors)
         assert result.tokens == greedy, fields
+
+
+def test_the_triton_kernels_refuse_an_fp8_cache_at_start(monkeypatch):
+    """They do not read one yet: the engine must not start on it (where CUDA runs them)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(NotImplementedError, match="fp8_e5m2: the Triton kernels"):
+        RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "fp8_e5m2")
+    RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "auto")
