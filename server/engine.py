@@ -183,7 +183,7 @@ class EngineService:
         logger.info("engine ready in %.0f s: model %r, trained at %d tokens, serving up to %d; default "
                     "extension %s%s; KV cache %s: %d tokens of %d bytes", seconds, self.model_name, self.train_length,
                     config.max_model_len, config.extension_defaults(), auto, config.kv_cache_dtype,
-                    self.kv_cache_tokens, config.kv_cache_memory // max(1, self.kv_cache_tokens))
+                    self.kv_cache_tokens, self.kv_cache_bytes_per_token)
 
     def shutdown(self) -> None:
         if self.state != "failed":  # a failed engine stays failed: the exit status says so
@@ -199,6 +199,11 @@ class EngineService:
         """The tokens the engine's KV cache holds (0 before it is up)."""
         cache = self.engine.vllm_config.cache_config if self.engine is not None else None
         return (cache.num_gpu_blocks or 0) * cache.block_size if cache is not None else 0
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """--kv-cache-memory over the tokens it holds (what whole blocks leave over included)."""
+        return self.config.kv_cache_memory // max(1, self.kv_cache_tokens)
 
     @property
     def train_length(self) -> int:

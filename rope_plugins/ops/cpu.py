@@ -42,7 +42,16 @@ class CacheScales:
 
 
 def is_fp8(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return kv_cache.dtype in FP8_FORMATS.values()
+
+
+def keys_and_values(rows: torch.Tensor, scales: CacheScales) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache rows ``[..., 2d]`` split into their keys and values; an fp8 cache's in float32, times ``scales``."""
+    head_dim = rows.shape[-1] // 2
+    keys, values = rows[..., :head_dim], rows[..., head_dim:]
+    if is_fp8(rows):
+        return keys.float() * scales.key, values.float() * scales.value
+    return keys, values
 
 
 def quantized(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -83,17 +92,16 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, 
                 use_kernel: bool = True, scales: CacheScales = CacheScales()) -> None:
     """Unrotated keys and values into their slots: kv_cache ``[blocks, kv_heads, block, 2d]``
     (one C++ call where it is built; an fp8 cache's, :func:`quantized` by ``scales``)."""
-    if is_fp8(kv_cache):
-        key, value = quantized(key, scales.key, kv_cache.dtype), quantized(value, scales.value, kv_cache.dtype)
+    if is_fp8(kv_cache):  # fp8 has no index_put: the quantized bytes are written
+        key = quantized(key, scales.key, kv_cache.dtype).view(torch.uint8)
+        value = quantized(value, scales.value, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     elif use_kernel and built_kernels() is not None:
         native.write_cache(key=key, value=value, kv_cache=kv_cache, slots=slot_mapping)
         return
     block_size = kv_cache.shape[2]
     slots = slot_mapping.long()
-    # fp8 has no index_put: its bytes are written
-    target = kv_cache.view(torch.uint8) if is_fp8(kv_cache) else kv_cache
-    rows = torch.cat((key, value), dim=-1)
-    target[slots // block_size, :, slots % block_size] = rows.view(torch.uint8) if is_fp8(kv_cache) else rows
+    kv_cache[slots // block_size, :, slots % block_size] = torch.cat((key, value), dim=-1)
 
 
 def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
@@ -102,10 +110,7 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
     float32, times ``scales``)."""
     blocks = kv_cache[block_ids[: -(-seq_len // kv_cache.shape[2])]]  # [nb, kv, bs, 2d]
     cached = blocks.transpose(1, 2).reshape(-1, kv_cache.shape[1], kv_cache.shape[3])[:seq_len]
-    head_dim = kv_cache.shape[3] // 2
-    if is_fp8(kv_cache):
-        return cached[..., :head_dim].float() * scales.key, cached[..., head_dim:].float() * scales.value
-    return cached[..., :head_dim], cached[..., head_dim:]
+    return keys_and_values(cached, scales)
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the caches the C++ kernels read
@@ -235,10 +240,10 @@ def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, 
     """All decode rows at once, block by block of the paged cache, in float32: ``[Rd, heads, d]``."""
     rows, heads, d = query.shape
     near_query, far_query = rotated_queries(query.float(), queries, plan.tokens)
-    blocks = kv_cache[plan.block_ids].float()  # [Rd, nb, kv, bs, 2d]: the one copy of the cache
-    _, num_blocks, kv, block_size, _ = blocks.shape
+    keys, values = keys_and_values(kv_cache[plan.block_ids], scales)  # [Rd, nb, kv, bs, d]: one copy of the cache
+    keys, values = keys.float(), values.float()
+    _, num_blocks, kv, block_size, _ = keys.shape
     queries_per_kv = heads // kv
-    keys, values = blocks[..., :d] * scales.key, blocks[..., d:] * scales.value
     if plan.far_keys is not None:  # rows with ρ = 0 take the identity rotation
         table = plan.far_keys.table_of_row.clamp(min=0)
         identity = (plan.far_keys.table_of_row < 0)[:, None, None]

@@ -20,5 +20,5 @@ async def list_models(service: ReadyService) -> ModelList:
         rotary=RotaryCard(kind=rotary.kind, base=rotary.base, head_dim=rotary.head_dim,
                           attention_factor=rotary.attention_factor),
         kv_cache=KVCacheCard(dtype=service.config.kv_cache_dtype, tokens=service.kv_cache_tokens,
-                             bytes_per_token=service.config.kv_cache_memory // max(1, service.kv_cache_tokens)),
+                             bytes_per_token=service.kv_cache_bytes_per_token),
         default_context_extension={**service.config.extension_defaults(), "auto_method": service.config.auto_method})])
