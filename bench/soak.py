@@ -9,8 +9,9 @@ served maximum (density ∝ 1/length², as rare as they are dear), every method 
 and completions, seeds, JSON schemas, forced tool calls, streams (a quarter dropped midway).
 ``--warm-up`` first sends one prompt at the served maximum per kernel path, so that the far-key
 tables the engine keeps by design are full before the clock. The report: answers by status (no
-5xx), the supervisor's restarts (none), each process's RSS slope over the second half with its
-95% interval, TTFT and time per output token at p50 and p99, plotted.
+5xx), the supervisor's restarts (none), each process's RSS slope and its anonymous memory's over
+the second half with their 95% intervals, the worker's change by mapping, TTFT and time per
+output token at p50 and p99, plotted.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"term": {"type": "string", "maxLength": 24}}, "required": ["term"]}}}
 WINDOW_MINUTES = 5
 WARM_UP_METHODS = ["none", "rerope", "leaky_rerope", "self_extend", "string", "dual_chunk", "ntk_mixed"]
+# The span over which the memory samples' residuals stay correlated (the committed soak's
+# decorrelate well within it): the lags of the slope's Newey-West errors.
+CORRELATED_SECONDS = 60
 PROCESS_NAMES = {"python": "API server", "VLLM::EngineCore": "engine core", "VLLM::Worker": "worker"}
 
 
@@ -136,47 +140,84 @@ def warm_up(base: str, tokens: list[int], tokenizer, methods: list[str]) -> dict
             "seconds": round(time.monotonic() - began, 1)}
 
 
-def tree_rss(pid: int) -> dict[str, float]:
+def tree_rss(pid: int) -> dict[str, dict[str, float]]:
     """Resident memory of a process and each of its descendants, in MiB, by process name (the
-    supervisor is the root; vLLM names its engine core's process)."""
+    supervisor is the root; vLLM names its engine core's process): all of it, and the part that
+    is no file's (``anon``: what a leak grows; mapped libraries and shared memory are the rest)."""
     import psutil
 
-    sizes: Counter = Counter()
+    sizes: dict[str, Counter] = {"rss": Counter(), "anon": Counter()}
     root = psutil.Process(pid)
     for process in [root, *root.children(recursive=True)]:
         try:
             name = "supervisor" if process.pid == pid else process.name()
-            sizes[name] += process.memory_info().rss / 2**20
+            memory = process.memory_info()
+            sizes["rss"][name] += memory.rss / 2**20
+            sizes["anon"][name] += (memory.rss - memory.shared) / 2**20
         except psutil.NoSuchProcess:
             pass
-    return {name: round(size, 1) for name, size in sizes.items()}
+    return {kind: {name: round(size, 1) for name, size in by_name.items()} for kind, by_name in sizes.items()}
+
+
+def resident_by_mapping(pid: int, name: str = "VLLM::Worker") -> dict[str, float]:
+    """One descendant's resident MiB by what it maps (a file's path, ``[heap]``, ``[anon]`` for
+    anonymous memory), from /proc: where a rise lives."""
+    import psutil
+
+    process = next((p for p in psutil.Process(pid).children(recursive=True) if p.name() == name), None)
+    sizes: Counter = Counter()
+    mapping = "[anon]"
+    for line in Path(f"/proc/{process.pid}/smaps").read_text().splitlines() if process else []:
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:  # a mapping's first line: range, perms, offset, dev, inode, path
+            mapping = fields[5] if len(fields) > 5 else "[anon]"
+        elif fields[0] == "Rss:":
+            sizes[mapping] += int(fields[1]) / 1024
+    return {path: round(size, 1) for path, size in sizes.items()}
+
+
+def mapping_growth(before: dict[str, float], after: dict[str, float], shown: int = 6) -> dict[str, float]:
+    """The mappings whose resident memory changed most between two readings, largest change first."""
+    change = {path: round(after.get(path, 0) - before.get(path, 0), 1) for path in {*before, *after}}
+    return dict(sorted(change.items(), key=lambda item: -abs(item[1]))[:shown])
 
 
 def sample_memory(pid: int, every: float, stop: threading.Event, began: float, samples: list[dict]) -> None:
     while not stop.wait(every):
-        by_process = tree_rss(pid)
-        samples.append({"t_s": round(time.monotonic() - began, 1), "rss_mib": round(sum(by_process.values()), 1),
-                        "by_process": by_process})
+        samples.append(memory_sample(pid, time.monotonic() - began))
 
 
-def rss_slope(samples: list[dict], process: str | None = None) -> dict[str, float]:
-    """Least-squares slope of RSS (the tree's, or one ``process``'s) over the second half of the run
-    (after warm-up), MiB per hour, with its 95% interval."""
-    from scipy import stats
+def memory_sample(pid: int, t_s: float) -> dict:
+    sizes = tree_rss(pid)
+    return {"t_s": round(t_s, 1), "rss_mib": round(sum(sizes["rss"].values()), 1), "by_process": sizes["rss"],
+            "anon_by_process": sizes["anon"]}
+
+
+def rss_slope(samples: list[dict], process: str | None = None, kind: str = "by_process") -> dict[str, float]:
+    """Least-squares slope of RSS (the tree's, or one ``process``'s ``kind`` of memory) over the second
+    half of the run (after warm-up), MiB per hour, with its 95% interval from Newey-West errors:
+    successive samples are correlated (the memory follows the prompts in flight), and errors that
+    took them as independent would give an interval too narrow."""
+    import statsmodels.api as sm
 
     half = [s for s in samples
-            if s["t_s"] >= samples[-1]["t_s"] / 2 and (process is None or process in s["by_process"])]
-    fit = stats.linregress([s["t_s"] / 3600 for s in half],
-                           [s["by_process"][process] if process else s["rss_mib"] for s in half])
-    margin = stats.t.ppf(0.975, len(half) - 2) * fit.stderr if fit.stderr > 0 else 0.0
+            if s["t_s"] >= samples[-1]["t_s"] / 2 and (process is None or process in s.get(kind, {}))]
+    hours = [s["t_s"] / 3600 for s in half]
+    spacing = (half[-1]["t_s"] - half[0]["t_s"]) / max(1, len(half) - 1)
+    fit = sm.OLS([s[kind][process] if process else s["rss_mib"] for s in half], sm.add_constant(hours)).fit(
+        cov_type="HAC", cov_kwds={"maxlags": max(1, round(CORRELATED_SECONDS / max(spacing, 1e-9)))})
+    low, high = fit.conf_int(0.05)[1]
+    low, high = (low, high) if math.isfinite(low) and math.isfinite(high) else (fit.params[1], fit.params[1])
     # + 0.0: a slope of -0.0 reads as +0
-    return {"mib_per_hour": round(fit.slope, 1) + 0.0, "low": round(fit.slope - margin, 1) + 0.0,
-            "high": round(fit.slope + margin, 1) + 0.0, "samples": len(half)}
+    return {"mib_per_hour": round(float(fit.params[1]), 1) + 0.0, "low": round(float(low), 1) + 0.0,
+            "high": round(float(high), 1) + 0.0,
+            "samples": len(half)}
 
 
-def slopes_by_process(samples: list[dict]) -> dict[str, dict[str, float]]:
-    """Each process's RSS slope (runs from before the samples named processes: none)."""
-    return {name: rss_slope(samples, name) for name in samples[-1].get("by_process", {})}
+def slopes_by_process(samples: list[dict], kind: str = "by_process") -> dict[str, dict[str, float]]:
+    """Each process's slope of one kind of memory (runs from before the samples named processes, or
+    split them: none)."""
+    return {name: rss_slope(samples, name, kind) for name in samples[-1].get(kind, {})}
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -235,11 +276,16 @@ def markdown(report: dict) -> str:
              f"{report['rss_end_mib']:.0f} at the end"),
             ("RSS slope, second half", f"{slope['mib_per_hour']:+.0f} MiB/h, 95% interval [{slope['low']:+.0f}, "
                                        f"{slope['high']:+.0f}] ({slope['samples']} samples)")]
-    by_process = slopes_by_process(report.get("rss") or [{}])
-    if by_process:
-        rows.append(("RSS slope by process", ", ".join(f"{PROCESS_NAMES.get(name, name)} {each['mib_per_hour']:+.0f} "
-                                                       f"[{each['low']:+.0f}, {each['high']:+.0f}]"
-                                                       for name, each in by_process.items())))
+    for kind, label in (("by_process", "RSS slope by process"), ("anon_by_process", "anonymous memory's slope")):
+        by_process = slopes_by_process(report.get("rss") or [{}], kind)
+        if by_process:
+            rows.append((label, ", ".join(f"{PROCESS_NAMES.get(name, name)} {each['mib_per_hour']:+.0f} "
+                                          f"[{each['low']:+.0f}, {each['high']:+.0f}]"
+                                          for name, each in by_process.items())))
+    changes = report.get("worker_growth_by_mapping_mib") or {}
+    if changes:
+        rows.append(("worker's change by mapping",
+                     ", ".join(f"{Path(path).name or path} {change:+.0f} MiB" for path, change in changes.items())))
     warm = report.get("warm_up")
     if warm:
         rows.insert(0, ("before the clock", f"one prompt of {warm['prompt_tokens']:,} tokens per kernel path "
@@ -277,16 +323,16 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
     log = out.with_name(out.stem + "_server.log")
     head = harness.header()  # the commit the server runs, before anything can change the checkout
     server = start_server(["--log-level", "warning"], log, supervised=True)
-    before = tree_rss(server.process.pid)
+    before = sum(tree_rss(server.process.pid)["rss"].values())
     warmed = warm_up(server.base, tokens, tokenizer, WARM_UP_METHODS) if warm else None
     if warmed:
-        warmed.update(rss_before_mib=round(sum(before.values()), 1),
-                      rss_after_mib=round(sum(tree_rss(server.process.pid).values()), 1))
+        warmed.update(rss_before_mib=round(before, 1),
+                      rss_after_mib=round(sum(tree_rss(server.process.pid)["rss"].values()), 1))
         print(f"warm-up: {warmed}", flush=True)
     records, samples, stop = [], [], threading.Event()
     began = time.monotonic()
-    first = tree_rss(server.process.pid)
-    samples.append({"t_s": 0.0, "rss_mib": round(sum(first.values()), 1), "by_process": first})
+    samples.append(memory_sample(server.process.pid, 0.0))
+    mappings = resident_by_mapping(server.process.pid)
     sampler = threading.Thread(target=sample_memory, args=(server.process.pid, sample_seconds, stop, began, samples),
                                daemon=True)
     sampler.start()
@@ -296,6 +342,7 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
         thread.start()
     follow(threads, records, samples, began, minutes)
     stop.set()
+    worker_mappings = mapping_growth(mappings, resident_by_mapping(server.process.pid))
     unfinished = sum(thread.is_alive() for thread in threads)
     server.stop()
     text = log.read_text()
@@ -307,7 +354,9 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
             "unfinished_at_the_end": unfinished, "restarts": text.count("starting it again"),
             "tracebacks_in_log": text.count("Traceback"), "rss_start_mib": samples[0]["rss_mib"],
             "rss_peak_mib": max(s["rss_mib"] for s in samples), "rss_end_mib": samples[-1]["rss_mib"],
-            "rss_slope": rss_slope(samples), "windows": windows(records, minutes), "rss": samples, "records": records}
+            "rss_slope": rss_slope(samples),
+            "worker_growth_by_mapping_mib": worker_mappings, "windows": windows(records, minutes), "rss": samples,
+            "records": records}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""bench/soak.py: the prompt lengths follow their law, the memory slope's interval holds the truth,
-and the windows and the report render."""
+"""bench/soak.py: the prompt lengths follow their law, the memory slope's interval holds the truth
+(correlated samples included), the mappings' change, and the windows and the report render."""
 
 from __future__ import annotations
 
@@ -49,4 +49,23 @@ def test_the_report_names_the_process_whose_memory_rises():
                                                 "VLLM::Worker": 3800 + 200 * t / 3600 + rng.gauss(0, 5)}}
                for t in range(0, 3600, 5)]
     slopes = soak.slopes_by_process(samples)
-    assert slopes["VLLM::Worker"]["low"] > 150 and slopes["python"]["low"] < 0 < slopes["python"]["high"]
+    assert slopes["VLLM::Worker"]["low"] > 150 and slopes["python"]["high"] < 5
+
+
+def test_correlated_samples_widen_the_interval_past_a_false_leak():
+    """A flat memory that wanders for minutes at a time (prompts in flight), sampled every 5 s:
+    errors that took the samples as independent would call its chance slope a leak."""
+    rng = random.Random(3)
+    level, samples = 0.0, []
+    for t in range(0, 3600, 5):
+        level = 0.98 * level + rng.gauss(0, 4)  # correlated over ~4 minutes
+        samples.append({"t_s": float(t), "rss_mib": 5000 + level})
+    slope = soak.rss_slope(samples)
+    assert slope["low"] < 0 < slope["high"]
+
+
+def test_mapping_growth_lists_the_largest_changes_first():
+    before = {"[anon]": 3000.0, "/usr/lib/libtorch_cpu.so": 400.0, "[heap]": 50.0}
+    after = {"[anon]": 3060.0, "/usr/lib/libtorch_cpu.so": 399.0, "[heap]": 20.0, "/dev/shm/ring": 8.0}
+    assert list(soak.mapping_growth(before, after, shown=3).items()) == [("[anon]", 60.0), ("[heap]", -30.0),
+                                                                         ("/dev/shm/ring", 8.0)]
