@@ -26,4 +26,4 @@ test: install lint
 	$(PY) -m pytest --durations=30
 
 bench-speed: install
-	$(PY) bench/speed.py
+	$(PY) -m bench speed
