@@ -4,7 +4,7 @@
 #   docker build -t rope-extend:cuda --build-arg VLLM_FLAVOUR=cuda .   # vLLM's CUDA build + Triton
 #   docker run -p 8000:8000 -v rope-models:/models rope-extend
 #   docker run --gpus all -p 8000:8000 -v rope-models:/models rope-extend:cuda
-#   docker run --gpus all --entrypoint python rope-extend:cuda bench/gpu_check.py   # check this GPU
+#   docker run --gpus all --entrypoint python rope-extend:cuda -m bench gpu   # check this GPU
 #   deploy/build_image.sh     # without Docker: builds this file with buildah, serves a request
 #
 # Both stages install with the project's own scripts/install.sh, the same script `make test`
@@ -45,7 +45,7 @@ COPY rope_plugins/ rope_plugins/
 COPY server/ server/
 COPY deploy/ deploy/
 RUN ./scripts/install.sh
-# the benchmarks' scripts, after the install (they change more often): bench/gpu_check.py on a GPU
+# the benchmarks' scripts, after the install (they change more often): `python -m bench gpu` on a GPU
 COPY bench/ bench/
 
 FROM ${BASE_IMAGE} AS runtime
