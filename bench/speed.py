@@ -48,7 +48,8 @@ class SideBySide:
     configuration: ``"stock"``, or a method's name for the plugin (the request's settings,
     salted for the prefix cache like any other's)."""
 
-    def __init__(self, model: str, longest: int, dtype: str, attention_precision: str | None) -> None:
+    def __init__(self, model: str, longest: int, dtype: str, attention_precision: str | None,
+                 kv_cache_dtype: str = "auto") -> None:
         """Both engines on every core, with the same engine arguments: a context of ``longest``
         tokens rounded up to a power of two, a whole long prompt in at most two steps. Stock
         vLLM's ``max_position_embeddings`` is raised to that so that it accepts as long a prompt;
@@ -63,7 +64,7 @@ class SideBySide:
         compute_on_every_core()
         served = 1 << (longest - 1).bit_length()
         common = dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=served,
-                      max_num_batched_tokens=max(served // 2, 8192), seed=0, dtype=dtype)
+                      max_num_batched_tokens=max(served // 2, 8192), seed=0, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
         self.stock = LLM(model=model, hf_overrides={"max_position_embeddings": served}, **common)
         self.plugin = LLM(**engine_kwargs(model, defaults={"method": "rerope"},
                                           attention_precision=attention_precision, **common))
@@ -128,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the decode alone, each repetition on the same cached prompt (default out: tpot_<dtype>)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="both engines' model dtype (weights, activations and KV cache)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                        help="both engines' KV cache (auto: the model's dtype)")
     harness.add_attention_precision(
         parser, "a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw keys): each "
                 "operand rounded once, as stock vLLM's (bfloat16, the server's default) or to 2^-16 (float32)")
@@ -139,7 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lengths, args.reps, args.decode_tokens = (given or default for given, default in zip(
         (args.lengths, args.reps, args.decode_tokens), defaults))
     args.scaling_lengths = [] if args.cached else args.scaling_lengths
-    args.out = args.out or RESULTS / (f"tpot_{args.dtype}.json" if args.cached else "speed.json")
+    cache = "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    args.out = args.out or RESULTS / (f"tpot_{args.dtype}{cache}.json" if args.cached else f"speed{cache}.json")
     return args
 
 
@@ -189,7 +193,8 @@ class SpeedRun:
 
         batch = [] if args.cached else [BATCH_LENGTH]
         longest = max(args.lengths + args.scaling_lengths + batch) + args.decode_tokens + 64
-        return cls(args, SideBySide(str(provision_default_model()), longest, args.dtype, args.attention_precision))
+        return cls(args, SideBySide(str(provision_default_model()), longest, args.dtype, args.attention_precision,
+                                    args.kv_cache_dtype))
 
     def measure_batch(self, rng: random.Random) -> None:
         """A batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM, once
@@ -231,7 +236,8 @@ class SpeedRun:
         args = self.args
         return {"date": harness.now(), "machine": harness.machine(),
                 "model": f"SmolLM2-135M-Instruct ({model_dtype(args)})", "dtype": args.dtype,
-                "attention_precision": args.attention_precision, "reps": args.reps,
+                "attention_precision": args.attention_precision, "kv_cache_dtype": args.kv_cache_dtype,
+                "reps": args.reps,
                 "decode_tokens": args.decode_tokens, "lengths": args.lengths}
 
     def report(self) -> dict:

@@ -13,7 +13,9 @@ far angle and pick by distance. The float64 oracle holds both paths in the tests
 An fp8 cache (``--kv-cache-dtype fp8``, ``fp8_e4m3``, ``fp8_e5m2``) holds each key and value
 divided by its layer's scale and rounded as stock vLLM's CPU cache rounds them
 (:func:`quantized`); reading multiplies the scale back (:class:`CacheScales`). Keys are cached
-unrotated, so the quantization never sees a position. The plain paths read it for now.
+unrotated, so the quantization never sees a position. The C++ kernels read fp8 elements as they
+read 16-bit ones, widened exactly, and take the scales where they cost nothing: the key's into
+the softmax scale (``q . (s k) = s (q . k)``), the value's into the output, before its one rounding.
 """
 
 from __future__ import annotations
@@ -92,13 +94,14 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, 
                 use_kernel: bool = True, scales: CacheScales = CacheScales()) -> None:
     """Unrotated keys and values into their slots: kv_cache ``[blocks, kv_heads, block, 2d]``
     (one C++ call where it is built; an fp8 cache's, :func:`quantized` by ``scales``)."""
+    if use_kernel and built_kernels() is not None:
+        native.write_cache(key=key, value=value, kv_cache=kv_cache, slots=slot_mapping, key_scale=scales.key,
+                           value_scale=scales.value)
+        return
     if is_fp8(kv_cache):  # fp8 has no index_put: the quantized bytes are written
         key = quantized(key, scales.key, kv_cache.dtype).view(torch.uint8)
         value = quantized(value, scales.value, kv_cache.dtype).view(torch.uint8)
         kv_cache = kv_cache.view(torch.uint8)
-    elif use_kernel and built_kernels() is not None:
-        native.write_cache(key=key, value=value, kv_cache=kv_cache, slots=slot_mapping)
-        return
     block_size = kv_cache.shape[2]
     slots = slot_mapping.long()
     kv_cache[slots // block_size, :, slots % block_size] = torch.cat((key, value), dim=-1)
@@ -113,15 +116,22 @@ def sequence_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
     return keys_and_values(cached, scales)
 
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the caches the C++ kernels read
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the model dtypes the C++ kernels serve
+KERNEL_CACHE_DTYPES = (*KERNEL_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)  # the caches they read
 
 
-def uses_matrix_tiles(kv_cache: torch.Tensor) -> bool:
-    """A 16-bit cache's prefill takes AMX tiles where the CPU has them, as stock vLLM's attention
-    does in bfloat16 (float32 stays on the float32 micro-kernel). The decode does not: its raw
+def scaled_output(output: torch.Tensor, scales: CacheScales, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's float32 output times the value scale (an fp8 cache's; 1 otherwise), rounded once to ``dtype``."""
+    return (output * scales.value if scales.value != 1.0 else output).to(dtype)
+
+
+def uses_matrix_tiles(model_dtype: torch.dtype) -> bool:
+    """A 16-bit model's prefill takes AMX tiles where the CPU has them, as stock vLLM's attention
+    does in bfloat16 (float32 stays on the float32 micro-kernel, whatever its cache holds: an fp8
+    cache's keys, turned, are no more bfloat16 than float32's). The decode does not: its raw
     bfloat16 keys on tiles scored faster with the cache in L2 but read a real step's cache from
     memory slower than vdpbf16ps in vector registers (docs/design.md)."""
-    return kv_cache.dtype != torch.float32 and native.matrix_tiles_ready()
+    return model_dtype != torch.float32 and native.matrix_tiles_ready()
 
 
 def rounded_once_on(kv_cache: torch.Tensor, rounded_once: bool) -> bool:
@@ -139,14 +149,14 @@ def uses_prefill_kernel(query: torch.Tensor) -> bool:
 
 def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
                    row: PrefillRow, *, scale: float, matrix_tiles: bool | None = None,
-                   rounded_once: bool = False) -> torch.Tensor:
+                   rounded_once: bool = False, scales: CacheScales = CacheScales()) -> torch.Tensor:
     """One request's chunk in one pass of the C++ kernel, from the row's unrotated queries
     ``[L, heads, d]`` (the kernel scales and turns them as it reads them) and the paged cache:
     its keys read out once per chunk at their far angle (raw under ReRoPE) and, for the band, at
     their near angle, in tiles whose 32 keys of one dimension are one contiguous vector. On AMX
     tiles where :func:`uses_matrix_tiles` (``matrix_tiles`` None) or where asked, their operands
     rounded once to bfloat16 where ``rounded_once`` (:func:`rounded_once_on`; else two bfloat16 parts
-    each, to 2^-16)."""
+    each, to 2^-16). An fp8 cache's ``scales`` fold into the softmax scale and the output."""
     tile, half = KEY_TILE, query.shape[-1] // 2
     tiles = -(-row.seq_len // tile)
     flat = lambda angles: angles.reshape(-1, half)  # noqa: E731
@@ -161,16 +171,17 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
                                            sin=flat(row.band_keys.sin), origin=near_origin,
                                            tiles=tiles - near_origin // tile)
     near, far = queries.near[row.tokens], queries.far[row.tokens]
+    matrix_tiles = uses_matrix_tiles(query.dtype) if matrix_tiles is None else matrix_tiles
     inputs = native.prefill_inputs(query_scale=queries.scale[row.tokens], near_cos=flat(near.cos),
                                    near_sin=flat(near.sin), far_cos=flat(far.cos), far_sin=flat(far.sin),
                                    near_from=row.near_from, context=row.context, banded=row.band_keys is not None,
-                                   near_origin=near_origin,
-                                   matrix_tiles=uses_matrix_tiles(kv_cache) if matrix_tiles is None else matrix_tiles,
+                                   near_origin=near_origin, matrix_tiles=matrix_tiles,
                                    rounded_once=rounded_once_on(kv_cache, rounded_once))
-    return native.prefill_attention(
+    output = native.prefill_attention(
         inputs, query=query.float(), near_keys=near_keys, far_keys=far_keys,
         values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),
-        scale=scale).to(query.dtype)
+        scale=scale * scales.key)
+    return scaled_output(output, scales, query.dtype)
 
 
 def prefill(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -178,9 +189,10 @@ def prefill(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tensor, blo
             scales: CacheScales = CacheScales()) -> torch.Tensor:
     """One request's chunk from its unrotated queries ``[L, heads, d]``: the C++ kernel where it
     serves them (:func:`uses_prefill_kernel`; ``rounded_once``: its AMX tiles' operands), else
-    :func:`prefill_plain` (an fp8 cache's, read times ``scales``)."""
-    if use_kernel and uses_prefill_kernel(query) and not is_fp8(kv_cache):
-        return prefill_kernel(query, queries, kv_cache, block_ids, row, scale=scale, rounded_once=rounded_once)
+    :func:`prefill_plain` (an fp8 cache's, read times ``scales``, in either)."""
+    if use_kernel and uses_prefill_kernel(query):
+        return prefill_kernel(query, queries, kv_cache, block_ids, row, scale=scale, rounded_once=rounded_once,
+                              scales=scales)
     return prefill_plain(query, queries, kv_cache, block_ids, row, scale=scale, scales=scales)
 
 
@@ -228,11 +240,12 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, querie
     """All decode rows at once from their unrotated queries ``[Rd, heads, d]``: the C++ kernel
     (it reads the paged cache in place and rotates as it goes; ``rounded_once``: the far queries
     rounded once against raw bfloat16 keys), else :func:`decode_plain` (an fp8 cache's, read
-    times ``scales``)."""
-    if not (use_kernel and kv_cache.dtype in KERNEL_DTYPES and built_kernels() is not None):
+    times ``scales``, in either)."""
+    if not (use_kernel and kv_cache.dtype in KERNEL_CACHE_DTYPES and built_kernels() is not None):
         return decode_plain(query, kv_cache, plan, queries, scale=scale, scales=scales)
-    return native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache, scale=scale,
-                                   rounded_once=rounded_once_on(kv_cache, rounded_once)).to(query.dtype)
+    output = native.decode_attention(plan.kernel_inputs, query=query.float(), kv_cache=kv_cache,
+                                     scale=scale * scales.key, rounded_once=rounded_once_on(kv_cache, rounded_once))
+    return scaled_output(output, scales, query.dtype)
 
 
 def decode_plain(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, queries: QueryPlan, *,

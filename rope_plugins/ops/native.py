@@ -168,10 +168,12 @@ def decode_attention(inputs, *, query: torch.Tensor, kv_cache: torch.Tensor, sca
     return kernels().decode_attention(inputs, query, kv_cache, scale, rounded_once)
 
 
-def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def write_cache(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                key_scale: float = 1.0, value_scale: float = 1.0) -> None:
     """Keys and values ``[T, kv, d]`` (unrotated) into ``kv_cache`` ``[blocks, kv, bs, 2d]`` at
-    ``slots`` ``[T]`` (``block * bs + offset``; negative slots are padding and skipped)."""
-    kernels().write_cache(key, value, kv_cache, slots)
+    ``slots`` ``[T]`` (``block * bs + offset``; negative slots are padding and skipped); into an
+    fp8 cache divided by ``key_scale`` and ``value_scale`` and rounded as ``cpu.quantized`` does."""
+    kernels().write_cache(key, value, kv_cache, slots, key_scale, value_scale)
 
 
 def cache_key_tiles(*, kv_cache: torch.Tensor, block_ids: torch.Tensor, first: int, count: int,

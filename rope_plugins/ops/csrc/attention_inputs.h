@@ -58,8 +58,9 @@ struct PrefillInputs {
   bool rounded_once = false;  // on the tiles, each operand rounded once to bfloat16 (stock vLLM's arithmetic)
 };
 
-// `body(Element{})` for the cache's element type: float, c10::BFloat16 or c10::Half (the kernels
-// widen 16-bit keys and values to float32 as they read them).
+// `body(Element{})` for the cache's element type: float, c10::BFloat16, c10::Half or an fp8
+// format (the kernels widen narrower keys and values to float32 as they read them; an fp8
+// cache's per-tensor scales are its callers': they fold into the query's scale and the output).
 template <typename Body>
 auto with_cache_type(const at::Tensor& kv_cache, const char* name, Body body) {
   TORCH_CHECK(kv_cache.stride(3) == 1, name, ": the cache's last dim must be contiguous");
@@ -67,7 +68,10 @@ auto with_cache_type(const at::Tensor& kv_cache, const char* name, Body body) {
     case at::kFloat: return body(float{});
     case at::kBFloat16: return body(c10::BFloat16{});
     case at::kHalf: return body(c10::Half{});
-    default: TORCH_CHECK(false, name, ": a float32, bfloat16 or float16 cache, not ", kv_cache.scalar_type());
+    case at::kFloat8_e4m3fn: return body(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2: return body(c10::Float8_e5m2{});
+    default:
+      TORCH_CHECK(false, name, ": a float32, bfloat16, float16 or fp8 cache, not ", kv_cache.scalar_type());
   }
 }
 
@@ -90,7 +94,7 @@ at::Tensor prefill_attention(const rope_kernels::PrefillInputs& row, const at::T
                                 const at::Tensor& values, double scale);
 
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                 const at::Tensor& slots);
+                 const at::Tensor& slots, double key_scale, double value_scale);
 
 at::Tensor cache_key_tiles(const at::Tensor& kv_cache, const at::Tensor& block_ids, int64_t first,
                               int64_t count, const at::Tensor& cos, const at::Tensor& sin, int64_t origin,

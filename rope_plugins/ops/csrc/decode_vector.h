@@ -16,6 +16,8 @@
 #include <type_traits>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 namespace rope_kernels::avx512 {
@@ -33,6 +35,18 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// fp8: the 16 bytes as the float16 that holds each (rope_kernels::fp8_half_bits), then the
+// hardware conversion
+inline __m256i fp8_bytes(const void* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 load16(const c10::Float8_e5m2* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(fp8_bytes(p), 8)); }
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i bytes = fp8_bytes(p);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f));
 }
 
 // Scoring keys in registers needs each half of a head in whole vectors (the rotation's pairs).

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -68,19 +70,58 @@ inline float exponentiate(float* __restrict scores, int64_t count, float maximum
   return total;
 }
 
+// An fp8 cache's elements (stored divided by their layer's scale, which the callers fold into
+// the query's scale and the output) read through float16, which holds both formats exactly:
+// e5m2 is float16's upper byte; e4m3fn's exponent and mantissa moved into float16's places are
+// 2^-8 of its value (its bias is 7, float16's 15; subnormals too), which kFp8Factor restores.
+// e4m3fn's NaN (0x7F) would read as 480: the cache write saturates and never stores one.
+template <typename Element>
+constexpr bool kFp8 = std::is_same_v<Element, c10::Float8_e4m3fn> || std::is_same_v<Element, c10::Float8_e5m2>;
+
+template <typename Element>
+constexpr float kFp8Factor = std::is_same_v<Element, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
+template <typename Element>
+inline uint16_t fp8_half_bits(uint8_t bits) {
+  if constexpr (std::is_same_v<Element, c10::Float8_e5m2>) {
+    return static_cast<uint16_t>(bits << 8);
+  } else {
+    return static_cast<uint16_t>((bits & 0x80) << 8 | (bits & 0x7F) << 7);
+  }
+}
+
+// x in an fp8 format as stock vLLM 0.32's CPU cache writes it (its AVX-512 path): saturated at
+// the format's largest finite value and rounded toward zero, which for a float32 is its
+// mantissa cut to the format's bits (rope_plugins/ops/cpu.py's `quantized`, its PyTorch twin).
+template <typename Element>
+inline uint8_t fp8_toward_zero(float x) {
+  constexpr bool e4m3 = std::is_same_v<Element, c10::Float8_e4m3fn>;
+  constexpr int mantissa = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  constexpr float largest = e4m3 ? 448.f : 57344.f, subnormal_step = e4m3 ? 0x1p-9f : 0x1p-16f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const float magnitude = std::min(std::fabs(x), largest);  // NaN: `largest` (the cache holds no NaN)
+  if (magnitude < subnormal_step * (1 << mantissa))  // below the smallest normal: whole subnormal steps
+    return sign | static_cast<uint8_t>(magnitude / subnormal_step);
+  const uint32_t bits = __builtin_bit_cast(uint32_t, magnitude);
+  const int exponent = static_cast<int>(bits >> 23) - 127 + bias;
+  return sign | static_cast<uint8_t>(exponent << mantissa | (bits >> (23 - mantissa) & ((1u << mantissa) - 1)));
+}
+
 // one cache element as float32 (exact), in a form `omp simd` loops vectorise
 template <typename Element>
 inline float to_float(Element x) {
   if constexpr (std::is_same_v<Element, c10::BFloat16>) {
     return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16);
+  } else if constexpr (kFp8<Element>) {
+    return static_cast<float>(c10::Half(fp8_half_bits<Element>(x.x), c10::Half::from_bits())) * kFp8Factor<Element>;
   } else {
     return static_cast<float>(x);
   }
 }
 
 // out[0 .. count) = the cache elements as float32. bfloat16 is float32's upper half, so widening
-// is a shift (exact, and vectorised to two instructions per 16 elements); float16 goes through
-// c10's conversion (exact too).
+// is a shift (exact, and vectorised to two instructions per 16 elements); float16 and fp8 go
+// through c10's float16 conversion (exact too).
 template <typename Element>
 inline void widen(const Element* __restrict row, float* __restrict out, int64_t count) {
   if constexpr (std::is_same_v<Element, c10::BFloat16>) {
@@ -93,7 +134,7 @@ inline void widen(const Element* __restrict row, float* __restrict out, int64_t 
   }
 }
 
-// A cache row as float32: a float32 row in place, a 16-bit one widened into `buffer`.
+// A cache row as float32: a float32 row in place, a 16-bit or fp8 one widened into `buffer`.
 template <typename Element>
 inline const float* as_floats(const Element* row, float* buffer, int64_t count) {
   if constexpr (std::is_same_v<Element, float>) {
@@ -105,7 +146,7 @@ inline const float* as_floats(const Element* row, float* buffer, int64_t count) 
 }
 
 // out = factor R(sign angle) x for the pairs (i, i + half), angle given by its cos and sin; x
-// float32 or a 16-bit cache row, widened as it is read.
+// float32 or a 16-bit or fp8 cache row, widened as it is read.
 template <typename Element>
 inline void rotate(const Element* __restrict x, const float* __restrict cos, const float* __restrict sin,
                    float* __restrict out, int64_t half, float factor = 1.f, float sign = 1.f) {
