@@ -11,6 +11,7 @@ model). Correct: both engines answer, and the loss is within 0.05 nats of float3
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -119,7 +120,8 @@ def loss_text(tokenizer, length: int) -> tuple[list[int], int]:
     return loss_window(tokenizer(load_corpus("pydoc")[:400_000], add_special_tokens=False).input_ids, length)
 
 
-def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, precision: str | None) -> float:
+def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, precision: str | None,
+                    kv_cache_dtype: str = "auto") -> float:
     """The mean NLL of the loss text's scored tokens under plain RoPE past training: stock vLLM
     with its position limit raised to ``length``, or the plugin's ``none`` at ``precision``."""
     from transformers import AutoTokenizer
@@ -131,6 +133,7 @@ def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, preci
                                     [SamplingParams(max_tokens=1, prompt_logprobs=0)],
                                     stock_overrides={"max_position_embeddings": room}, precision=precision,
                                     dtype=dtype, max_model_len=room, kv_cache_memory_bytes=1 << 30, seed=0,
+                                    kv_cache_dtype=kv_cache_dtype,
                                     max_num_batched_tokens=max(length // 2, 8192))
     # prompt_logprobs[i] is the distribution before token i (the first is None)
     chosen = [scoring.prompt_logprobs[i][ids[i]].logprob for i in range(len(ids) - scored, len(ids))]
@@ -173,6 +176,47 @@ def stock_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+FP8_CACHES = ("fp8_e4m3", "fp8_e5m2")
+FP8_MARGIN = 0.005  # nats: how much more than stock's own fp8 drift a method's may be
+
+
+def fp8_drift(length: int, quality: Path) -> dict:
+    """Per setting, the plugin's loss at ``length`` with each fp8 cache less its loss with the
+    model's own (bfloat16) cache, from the quality suite's runs of each (``quality``/
+    kv_bfloat16_<cache>.json); stock vLLM's same drift for plain RoPE, measured here, is the yardstick."""
+    from rope_plugins.models.catalog import model_source
+    from rope_plugins.models.provision import provision
+
+    directory = provision(model_source("smollm2-135m"))
+    stock = {kv: plain_rope_loss(directory, length, "bfloat16", "stock", None, kv) for kv in ("auto", *FP8_CACHES)}
+    losses = {kv: {r["label"]: r["nll"] for r in json.loads((quality / f"kv_bfloat16_{kv}.json").read_text())["rows"]
+                   if r["length"] == length} for kv in ("auto", *FP8_CACHES)}
+    yardstick = {kv: stock[kv] - stock["auto"] for kv in FP8_CACHES}
+    return {"date": harness.now(), "machine": harness.machine(), "length": length, "margin": FP8_MARGIN,
+            "stock_loss": stock, "yardstick": yardstick, "rows": drift_rows(losses, yardstick)}
+
+
+def drift_rows(losses: dict[str, dict[str, float]], yardstick: dict[str, float]) -> list[dict]:
+    """Per setting (``losses[cache][setting]``, "auto" the model's own cache): its loss, each fp8
+    cache's drift from it, and whether every drift is within stock's (``yardstick``) + FP8_MARGIN."""
+    return [{"setting": label, "bfloat16": loss, **{kv: losses[kv][label] - loss for kv in FP8_CACHES},
+             "within": all(abs(losses[kv][label] - loss) <= abs(yardstick[kv]) + FP8_MARGIN for kv in FP8_CACHES)}
+            for label, loss in losses["auto"].items()]
+
+
+def fp8_markdown(report: dict) -> str:
+    yardstick = ", ".join(f"{kv} {report['yardstick'][kv]:+.4f}" for kv in FP8_CACHES)
+    lines = [f"Measured {report['date'][:10]} on {report['machine']}: SmolLM2-135M-Instruct in bfloat16, the loss "
+             f"of the quality suite's text at {report['length']:,} tokens with an fp8 KV cache less that with the "
+             f"bfloat16 cache. Stock vLLM's own drift for plain RoPE: {yardstick} nats; within: every format's "
+             f"drift at most stock's + {report['margin']} nats.", "",
+             harness.markdown_table(["setting", "loss, bfloat16 cache", *(f"drift, {kv}" for kv in FP8_CACHES),
+                                     "within"],
+                                    [[r["setting"], f"{r['bfloat16']:.4f}", *(f"{r[kv]:+.4f}" for kv in FP8_CACHES),
+                                      "yes" if r["within"] else "**no**"] for r in report["rows"]])]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(QUESTIONS))
@@ -181,7 +225,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="plain RoPE's loss at LENGTH on the quality suite's loss text: stock vLLM in both dtypes "
                              "and the plugin's none in bfloat16 at both attention precisions (writes "
                              "bench/results/dtype_stock.json)")
+    parser.add_argument("--fp8-at", type=int, metavar="LENGTH",
+                        help="each setting's fp8 drift at LENGTH from the quality suite's runs with each KV cache "
+                             "(--quality-dir), beside stock vLLM's (writes bench/results/dtype_fp8.json)")
+    parser.add_argument("--quality-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.fp8_at:
+        from rope_plugins.frontend.engine_args import compute_on_every_core
+
+        compute_on_every_core()
+        report = fp8_drift(args.fp8_at, args.quality_dir)
+        harness.write_json(report, RESULTS / "dtype_fp8.json")
+        print(fp8_markdown(report))
+        return 0
     if args.stock_at:
         from rope_plugins.frontend.engine_args import compute_on_every_core
 

@@ -341,6 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the started server's dtype (not float32: the stem ends in _<dtype>)")
     harness.add_attention_precision(parser, "the started server's --attention-precision")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="the started server's KV cache (not auto: the stem ends in _<it>)")
     parser.add_argument("--stem", help="the results' name (default eval[_quick][_<dtype>])")
     parser.add_argument("--budget-minutes", type=float, help="start nothing that would end after this")
     parser.add_argument("--table", action="store_true", help="only the summary files, from the results log")
@@ -350,13 +352,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    stem = args.stem or ("eval_quick" if args.quick else "eval") + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    suffixes = [kind for kind, plain in ((args.dtype, "float32"), (args.kv_cache_dtype, "auto")) if kind != plain]
+    stem = args.stem or "_".join(["eval_quick" if args.quick else "eval", *suffixes])
     runs = args.out_dir / f"{stem}_runs.jsonl"
     grid = args.settings or configs(args.methods, log_n_too=not (args.quick or args.without_log_n))
     jobs = ([("loss", s, QUICK_LENGTH) for s in grid] if args.quick
             else plan(args.lengths, grid, args.depths, args.keys, args.ablations))
     jobs = [job for job in jobs if job[0] in args.tests]
-    meta = {"machine": harness.machine(), "model": f"SmolLM2-135M-Instruct ({args.dtype})",
+    cache = "" if args.kv_cache_dtype == "auto" else f", KV cache {args.kv_cache_dtype}"
+    meta = {"machine": harness.machine(), "model": f"SmolLM2-135M-Instruct ({args.dtype}{cache})",
             "train_length": TRAIN_LENGTH, "corpus": args.corpus}
     if not args.table:
         measure(args, stem, runs, jobs)
@@ -378,7 +382,7 @@ def measure(args: argparse.Namespace, stem: str, runs: Path, jobs: list[tuple]) 
     served = max(job[2] for job in jobs) + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
              "--max-num-seqs", "2", "--log-level", "warning", "--dtype", args.dtype,
-             "--attention-precision", args.attention_precision]
+             "--attention-precision", args.attention_precision, "--kv-cache-dtype", args.kv_cache_dtype]
     with harness.server_at(args.url, flags, args.out_dir / f"{stem}_server.log") as base:
         evaluator = Evaluator(base, args.corpus, runs, os.environ.get("ROPE_EXTEND_API_KEY"))
         harness.run_grid(to_do, expected, evaluator.run, lambda job: f"{job[0]} {label(job[1])} {job[2]}",

@@ -16,3 +16,14 @@ def test_plain_rope_rows_are_measured_against_stock_float32():
               "tolerance": dtype_check.METHOD_TOLERANCE, "rows": measured}
     table = dtype_check.stock_markdown(report)
     assert table.count("**no**") == 1 and "| plugin | bfloat16 | bfloat16 | 5.9940 | -0.0060 |" in table
+
+
+def test_fp8_drift_is_held_to_stocks_own_plus_the_margin_in_both_formats():
+    losses = {"auto": {"rerope": 3.0, "yarn": 3.1}, "fp8_e4m3": {"rerope": 3.012, "yarn": 3.1},
+              "fp8_e5m2": {"rerope": 3.02, "yarn": 3.1 - 0.04}}
+    rows = dtype_check.drift_rows(losses, {"fp8_e4m3": 0.01, "fp8_e5m2": -0.02})
+    assert [round(r["fp8_e5m2"], 6) for r in rows] == [0.02, -0.04]
+    assert [r["within"] for r in rows] == [True, False]  # yarn's e5m2 drift is 0.04 > 0.02 + 0.005
+    report = {"date": "2026-12-01T00:00:00+00:00", "machine": "test", "length": 16384, "margin": 0.005,
+              "yardstick": {"fp8_e4m3": 0.01, "fp8_e5m2": -0.02}, "rows": rows}
+    assert "| yarn | 3.1000 | +0.0000 | -0.0400 | **no** |" in dtype_check.fp8_markdown(report)
