@@ -105,10 +105,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n\nBoth engines right and within the loss tolerance: " + "; ".join(good) + "."
 
 
-# --stock-at's engines: (engine, dtype, the plugin's attention precision), stock vLLM's own rounding beside
-# the plugin's two precisions on the same text
-REFERENCE_RUNS = [("stock", "float32", None), ("stock", "bfloat16", None),
-                  ("plugin", "bfloat16", "float32"), ("plugin", "bfloat16", "bfloat16")]
+# --stock-at's engines: (engine, dtype, the plugin's attention precision, KV cache), stock vLLM's own
+# rounding beside the plugin's two precisions on the same text, and stock's with each fp8 cache
+FP8_CACHES = ("fp8_e4m3", "fp8_e5m2")
+REFERENCE_RUNS = [("stock", "float32", None, "auto"), ("stock", "bfloat16", None, "auto"),
+                  ("plugin", "bfloat16", "float32", "auto"), ("plugin", "bfloat16", "bfloat16", "auto"),
+                  *(("stock", "bfloat16", None, kv) for kv in FP8_CACHES)]
 
 
 def loss_text(tokenizer, length: int) -> tuple[list[int], int]:
@@ -143,7 +145,8 @@ def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, preci
 def stock_reference(length: int) -> dict:
     """Stock vLLM's loss past training in both dtypes (plain RoPE, all it serves there) beside the
     plugin's ``none`` in bfloat16 at both attention precisions, on the quality suite's loss text:
-    how far bfloat16 moves stock vLLM's own loss, the yardstick for METHOD_TOLERANCE."""
+    how far bfloat16 moves stock vLLM's own loss, the yardstick for METHOD_TOLERANCE; and how far
+    each fp8 cache moves it, :func:`fp8_drift`'s."""
     from tqdm import tqdm
 
     from bench.attention_kernels import machine
@@ -151,49 +154,55 @@ def stock_reference(length: int) -> dict:
     from rope_plugins.models.provision import provision
 
     directory = provision(model_source("smollm2-135m"))
-    rows = [{"engine": engine, "dtype": dtype, "attention_precision": precision,
-             "loss": plain_rope_loss(directory, length, dtype, engine, precision)}
-            for engine, dtype, precision in tqdm(REFERENCE_RUNS, desc=f"plain RoPE at {length:,}", unit="engine")]
+    rows = [{"engine": engine, "dtype": dtype, "attention_precision": precision, "kv_cache_dtype": kv,
+             "loss": plain_rope_loss(directory, length, dtype, engine, precision, kv)}
+            for engine, dtype, precision, kv in tqdm(REFERENCE_RUNS, desc=f"plain RoPE at {length:,}",
+                                                     unit="engine")]
     return {"date": harness.now(), "machine": machine(),
             "length": length, "tolerance": METHOD_TOLERANCE, "rows": against_stock_float32(rows)}
 
 
 def against_stock_float32(rows: list[dict]) -> list[dict]:
-    """Each row's loss less stock vLLM's float32 loss, and whether that is within METHOD_TOLERANCE."""
+    """Each row's loss less stock vLLM's float32 loss, and whether that is within METHOD_TOLERANCE
+    (None for an fp8 cache's: the tolerance is bfloat16's)."""
     [reference] = [r["loss"] for r in rows if r["engine"] == "stock" and r["dtype"] == "float32"]
-    return [{**r, "difference": r["loss"] - reference, "within": abs(r["loss"] - reference) <= METHOD_TOLERANCE}
-            for r in rows]
+    return [{**r, "difference": r["loss"] - reference,
+             "within": abs(r["loss"] - reference) <= METHOD_TOLERANCE if r.get("kv_cache_dtype", "auto") == "auto"
+             else None} for r in rows]
+
+
+VERDICTS = {True: "yes", False: "**no**", None: "-"}
 
 
 def stock_markdown(report: dict) -> str:
     lines = [f"Measured {report['date'][:10]} on {report['machine']}: plain RoPE's loss at {report['length']:,} "
              "tokens (the quality suite's loss text and scored tokens), stock vLLM in both dtypes and the "
              f"plugin's `none` in bfloat16, each against stock vLLM in float32 (tolerance {report['tolerance']} "
-             "nats):", "", "| engine | dtype | attention precision | loss | difference | within |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['engine']} | {r['dtype']} | {r['attention_precision'] or '-'} | {r['loss']:.4f} | "
-              f"{r['difference']:+.4f} | {'yes' if r['within'] else '**no**'} |" for r in report["rows"]]
+             "nats; stock's with an fp8 cache is the fp8 drift's yardstick):", "",
+             "| engine | dtype | attention precision | KV cache | loss | difference | within |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['engine']} | {r['dtype']} | {r['attention_precision'] or '-'} | {r.get('kv_cache_dtype', 'auto')} "
+              f"| {r['loss']:.4f} | {r['difference']:+.4f} | {VERDICTS[r['within']]} |"
+              for r in report["rows"]]
     return "\n".join(lines)
 
 
-FP8_CACHES = ("fp8_e4m3", "fp8_e5m2")
 FP8_MARGIN = 0.005  # nats: how much more than stock's own fp8 drift a method's may be
 
 
-def fp8_drift(length: int, quality: Path) -> dict:
-    """Per setting, the plugin's loss at ``length`` with each fp8 cache less its loss with the
-    model's own (bfloat16) cache, from the quality suite's runs of each (``quality``/
-    kv_bfloat16_<cache>.json); stock vLLM's same drift for plain RoPE, measured here, is the yardstick."""
-    from rope_plugins.models.catalog import model_source
-    from rope_plugins.models.provision import provision
-
-    directory = provision(model_source("smollm2-135m"))
-    stock = {kv: plain_rope_loss(directory, length, "bfloat16", "stock", None, kv) for kv in ("auto", *FP8_CACHES)}
+def fp8_drift(stock: dict, quality: Path) -> dict:
+    """Per setting, the plugin's loss with each fp8 cache less its loss with the model's own
+    (bfloat16) cache, at ``--stock-at``'s length, from the quality suite's runs with each cache
+    (``quality``/kv_bfloat16_<cache>.json); stock vLLM's same drift for plain RoPE (``stock``:
+    dtype_stock.json) is the yardstick."""
+    loss = {r.get("kv_cache_dtype", "auto"): r["loss"] for r in stock["rows"]
+            if r["engine"] == "stock" and r["dtype"] == "bfloat16"}
     losses = {kv: {r["label"]: r["nll"] for r in json.loads((quality / f"kv_bfloat16_{kv}.json").read_text())["rows"]
-                   if r["length"] == length} for kv in ("auto", *FP8_CACHES)}
-    yardstick = {kv: stock[kv] - stock["auto"] for kv in FP8_CACHES}
-    return {"date": harness.now(), "machine": harness.machine(), "length": length, "margin": FP8_MARGIN,
-            "stock_loss": stock, "yardstick": yardstick, "rows": drift_rows(losses, yardstick)}
+                   if r["length"] == stock["length"]} for kv in ("auto", *FP8_CACHES)}
+    yardstick = {kv: loss[kv] - loss["auto"] for kv in FP8_CACHES}
+    return {"date": harness.now(), "machine": stock["machine"],
+            "length": stock["length"], "margin": FP8_MARGIN, "yardstick": yardstick,
+            "rows": drift_rows(losses, yardstick)}
 
 
 def drift_rows(losses: dict[str, dict[str, float]], yardstick: dict[str, float]) -> list[dict]:
@@ -225,16 +234,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="plain RoPE's loss at LENGTH on the quality suite's loss text: stock vLLM in both dtypes "
                              "and the plugin's none in bfloat16 at both attention precisions (writes "
                              "bench/results/dtype_stock.json)")
-    parser.add_argument("--fp8-at", type=int, metavar="LENGTH",
-                        help="each setting's fp8 drift at LENGTH from the quality suite's runs with each KV cache "
-                             "(--quality-dir), beside stock vLLM's (writes bench/results/dtype_fp8.json)")
-    parser.add_argument("--quality-dir", type=Path, default=RESULTS)
+    parser.add_argument("--fp8", type=Path, metavar="QUALITY_DIR",
+                        help="each setting's fp8 drift from the quality suite's runs with each KV cache in "
+                             "QUALITY_DIR (kv_bfloat16_<cache>.json) against stock's in dtype_stock.json (writes "
+                             "bench/results/dtype_fp8.json)")
     args = parser.parse_args(argv)
-    if args.fp8_at:
-        from rope_plugins.frontend.engine_args import compute_on_every_core
-
-        compute_on_every_core()
-        report = fp8_drift(args.fp8_at, args.quality_dir)
+    if args.fp8:
+        report = fp8_drift(json.loads((RESULTS / "dtype_stock.json").read_text()), args.fp8)
         harness.write_json(report, RESULTS / "dtype_fp8.json")
         print(fp8_markdown(report))
         return 0
