@@ -149,7 +149,6 @@ def stock_reference(length: int) -> dict:
     each fp8 cache moves it, :func:`fp8_drift`'s."""
     from tqdm import tqdm
 
-    from bench.attention_kernels import machine
     from rope_plugins.models.catalog import model_source
     from rope_plugins.models.provision import provision
 
@@ -158,8 +157,8 @@ def stock_reference(length: int) -> dict:
              "loss": plain_rope_loss(directory, length, dtype, engine, precision, kv)}
             for engine, dtype, precision, kv in tqdm(REFERENCE_RUNS, desc=f"plain RoPE at {length:,}",
                                                      unit="engine")]
-    return {"date": harness.now(), "machine": machine(),
-            "length": length, "tolerance": METHOD_TOLERANCE, "rows": against_stock_float32(rows)}
+    return {"date": harness.now(), "machine": harness.machine(), "length": length, "tolerance": METHOD_TOLERANCE,
+            "rows": against_stock_float32(rows)}
 
 
 def against_stock_float32(rows: list[dict]) -> list[dict]:

@@ -33,7 +33,6 @@ from rope_plugins.attention.planner import KEY_TILE
 RESULTS = harness.RESULTS
 BLOCK = 16  # tokens per cache block (vLLM's default on CUDA)
 PADDED = 3  # padded tokens (slot -1) in every cache write
-SPEED_CONFIGS = ["stock", "rerope", "leaky_rerope", "ntk_mixed"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Largest error allowed, relative to the largest output of its row (|kernel - oracle| / max
 # |oracle|: rows of thousands of keys have small outputs, a first chunk's first tokens large

@@ -1,4 +1,4 @@
-"""The generated blocks of bench/README.md, docs/gpu.md and docs/layout.md: each is a results file as its
+"""The generated blocks of bench/README.md and docs/ (gpu.md, layout.md, usage.md): each is a results file as its
 benchmark's ``markdown(report)`` renders it (tables and the sentences that read them), between markers.
 
     .venv/bin/python -m bench readme            # rewrite every block from bench/results/
@@ -19,8 +19,8 @@ from bench import harness
 
 ROOT, RESULTS = harness.ROOT, harness.RESULTS
 DOCUMENT = ROOT / "bench" / "README.md"
-# the GPU's results beside what is verified there, the fuzzer's beside the suite
-DOCUMENTS = (DOCUMENT, ROOT / "docs" / "gpu.md", ROOT / "docs" / "layout.md")
+# the GPU's results beside what is verified there, the fuzzer's beside the suite, the fp8 cache's beside its setting
+DOCUMENTS = (DOCUMENT, *(ROOT / "docs" / name for name in ("gpu.md", "layout.md", "usage.md")))
 # results file stem: (module, function) rendering it as markdown
 RENDERERS = {
     "speed": ("bench.speed", "markdown"),
@@ -41,6 +41,7 @@ RENDERERS = {
     "fuzz_long": ("tests.server.fuzz.fields", "markdown"),
     "dtype": ("bench.dtype_check", "markdown"),
     "dtype_stock": ("bench.dtype_check", "stock_markdown"),
+    "dtype_fp8": ("bench.dtype_check", "fp8_markdown"),
     "gpu_check": ("bench.gpu_check", "markdown"),
     "gpu_kernel_speed_tile_angles": ("bench.gpu_kernel_speed", "prefill_markdown"),
     "gpu_kernel_speed_decode_dot": ("bench.gpu_kernel_speed", "markdown"),
