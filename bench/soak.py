@@ -9,9 +9,9 @@ served maximum (density ∝ 1/length², as rare as they are dear), every method 
 and completions, seeds, JSON schemas, forced tool calls, streams (a quarter dropped midway).
 ``--warm-up`` first sends one prompt at the served maximum per kernel path, so that the far-key
 tables the engine keeps by design are full before the clock. The report: answers by status (no
-5xx), the supervisor's restarts (none), each process's RSS slope and its anonymous memory's over
-the second half with their 95% intervals, the worker's change by mapping, TTFT and time per
-output token at p50 and p99, plotted.
+5xx), the supervisor's restarts (none), each process's RSS slope over the second half with its
+95% interval (and the worker's anonymous memory's, with its largest changes by mapping), TTFT
+and time per output token at p50 and p99, plotted.
 """
 
 from __future__ import annotations
@@ -276,16 +276,18 @@ def markdown(report: dict) -> str:
              f"{report['rss_end_mib']:.0f} at the end"),
             ("RSS slope, second half", f"{slope['mib_per_hour']:+.0f} MiB/h, 95% interval [{slope['low']:+.0f}, "
                                        f"{slope['high']:+.0f}] ({slope['samples']} samples)")]
-    for kind, label in (("by_process", "RSS slope by process"), ("anon_by_process", "anonymous memory's slope")):
-        by_process = slopes_by_process(report.get("rss") or [{}], kind)
-        if by_process:
-            rows.append((label, ", ".join(f"{PROCESS_NAMES.get(name, name)} {each['mib_per_hour']:+.0f} "
-                                          f"[{each['low']:+.0f}, {each['high']:+.0f}]"
-                                          for name, each in by_process.items())))
-    changes = report.get("worker_growth_by_mapping_mib") or {}
-    if changes:
-        rows.append(("worker's change by mapping",
-                     ", ".join(f"{Path(path).name or path} {change:+.0f} MiB" for path, change in changes.items())))
+    by_process = slopes_by_process(report.get("rss") or [{}])
+    if by_process:
+        rows.append(("RSS slope by process", ", ".join(f"{PROCESS_NAMES.get(name, name)} {each['mib_per_hour']:+.0f} "
+                                                       f"[{each['low']:+.0f}, {each['high']:+.0f}]"
+                                                       for name, each in by_process.items())))
+    anonymous = slopes_by_process(report.get("rss") or [{}], "anon_by_process").get("VLLM::Worker")
+    changes = list((report.get("worker_growth_by_mapping_mib") or {}).items())[:3]
+    if anonymous and changes:
+        rows.append(("the worker's anonymous memory",
+                     f"{anonymous['mib_per_hour']:+.0f} MiB/h [{anonymous['low']:+.0f}, {anonymous['high']:+.0f}]; "
+                     "largest changes: " + ", ".join(f"{Path(path).name or path} {change:+.0f} MiB"
+                                                     for path, change in changes)))
     warm = report.get("warm_up")
     if warm:
         rows.insert(0, ("before the clock", f"one prompt of {warm['prompt_tokens']:,} tokens per kernel path "
