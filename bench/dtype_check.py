@@ -221,7 +221,7 @@ def fp8_markdown(report: dict) -> str:
              harness.markdown_table(["setting", "loss, bfloat16 cache", *(f"drift, {kv}" for kv in FP8_CACHES),
                                      "within"],
                                     [[r["setting"], f"{r['bfloat16']:.4f}", *(f"{r[kv]:+.4f}" for kv in FP8_CACHES),
-                                      "yes" if r["within"] else "**no**"] for r in report["rows"]])]
+                                      VERDICTS[r["within"]]] for r in report["rows"]])]
     return "\n".join(lines)
 
 

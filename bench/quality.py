@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
+from rope_plugins.plugin import FP8_CACHE_DTYPES
 from rope_plugins.rules.settings import AUTO, ExtensionSettings, length_factor, positions_used
 
 RESULTS = harness.RESULTS
@@ -341,7 +342,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the started server's dtype (not float32: the stem ends in _<dtype>)")
     harness.add_attention_precision(parser, "the started server's --attention-precision")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FP8_CACHE_DTYPES],
                         help="the started server's KV cache (not auto: the stem ends in _<it>)")
     parser.add_argument("--stem", help="the results' name (default eval[_quick][_<dtype>])")
     parser.add_argument("--budget-minutes", type=float, help="start nothing that would end after this")

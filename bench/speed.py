@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench import harness
+from rope_plugins.plugin import FP8_CACHE_DTYPES
 
 RESULTS = harness.RESULTS
 KV_BYTES = 3 << 30
@@ -129,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the decode alone, each repetition on the same cached prompt (default out: tpot_<dtype>)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="both engines' model dtype (weights, activations and KV cache)")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=["auto", *FP8_CACHE_DTYPES], default="auto",
                         help="both engines' KV cache (auto: the model's dtype)")
     harness.add_attention_precision(
         parser, "a bfloat16 model's attention on bfloat16 dot products (AMX tiles; the decode's raw keys): each "
