@@ -10,7 +10,7 @@ and completions, seeds, JSON schemas, forced tool calls, streams (a quarter drop
 ``--warm-up`` first sends one prompt at the served maximum per kernel path, so that the far-key
 tables the engine keeps by design are full before the clock. The report: answers by status (no
 5xx), the supervisor's restarts (none), each process's RSS slope over the second half with its
-95% interval (and the worker's anonymous memory's, with its largest changes by mapping), TTFT
+95% interval (and the worker's anonymous memory's, and its live heap as its allocator counts it), TTFT
 and time per output token at p50 and p99, plotted.
 """
 
@@ -159,27 +159,14 @@ def tree_rss(pid: int) -> dict[str, dict[str, float]]:
     return {kind: {name: round(size, 1) for name, size in by_name.items()} for kind, by_name in sizes.items()}
 
 
-def resident_by_mapping(pid: int, name: str = "VLLM::Worker") -> dict[str, float]:
-    """One descendant's resident MiB by what it maps (a file's path, ``[heap]``, ``[anon]`` for
-    anonymous memory), from /proc: where a rise lives."""
-    import psutil
+def worker_allocator(log_text: str, began: float) -> list[dict]:
+    """The worker's own memory lines (``ROPE_EXTEND_MEMORY_LOG_S``) as samples from ``began``
+    (the epoch's seconds): what its allocator counts live (``allocated``) beside what it holds."""
+    from rope_plugins.worker.memory import parse_memory_line
 
-    process = next((p for p in psutil.Process(pid).children(recursive=True) if p.name() == name), None)
-    sizes: Counter = Counter()
-    mapping = "[anon]"
-    for line in Path(f"/proc/{process.pid}/smaps").read_text().splitlines() if process else []:
-        fields = line.split()
-        if "-" in fields[0] and ":" not in fields[0]:  # a mapping's first line: range, perms, offset, dev, inode, path
-            mapping = fields[5] if len(fields) > 5 else "[anon]"
-        elif fields[0] == "Rss:":
-            sizes[mapping] += int(fields[1]) / 1024
-    return {path: round(size, 1) for path, size in sizes.items()}
-
-
-def mapping_growth(before: dict[str, float], after: dict[str, float], shown: int = 6) -> dict[str, float]:
-    """The mappings whose resident memory changed most between two readings, largest change first."""
-    change = {path: round(after.get(path, 0) - before.get(path, 0), 1) for path in {*before, *after}}
-    return dict(sorted(change.items(), key=lambda item: -abs(item[1]))[:shown])
+    lines = [parse_memory_line(line) for line in log_text.splitlines()]
+    return [{"t_s": round(line.pop("time") - began, 1), "allocator": line} for line in lines
+            if line is not None and line["time"] >= began]
 
 
 def sample_memory(pid: int, every: float, stop: threading.Event, began: float, samples: list[dict]) -> None:
@@ -244,9 +231,16 @@ def plot(report: dict, path: Path) -> None:
 
     figure, (memory, ttft, tpot) = plt.subplots(1, 3, figsize=(14, 4.2))
     samples, slope = report["rss"], report["rss_slope"]
-    memory.plot([s["t_s"] / 60 for s in samples], [s["rss_mib"] for s in samples])
-    memory.set(xlabel="minutes", ylabel="MiB", title=f"RSS: {slope['mib_per_hour']:+.0f} MiB/h "
-                                                      f"[{slope['low']:+.0f}, {slope['high']:+.0f}] (second half)")
+    series = [("RSS, all processes", samples, lambda s: s["rss_mib"]),
+              ("worker RSS", samples, lambda s: s["by_process"].get("VLLM::Worker")),
+              ("worker live heap", report.get("worker_allocator") or [], lambda s: s["allocator"].get("allocated"))]
+    for label, points, size in series:
+        points = [(p["t_s"] / 60, size(p)) for p in points if size(p) is not None]
+        if points:
+            memory.plot([t for t, _ in points], [m - points[0][1] for _, m in points], label=label, linewidth=0.8)
+    memory.legend(fontsize=8)
+    memory.set(xlabel="minutes", ylabel="MiB since the start", title=f"RSS: {slope['mib_per_hour']:+.0f} MiB/h "
+               f"[{slope['low']:+.0f}, {slope['high']:+.0f}] (second half)")
     middle = [w["from_min"] + WINDOW_MINUTES / 2 for w in report["windows"]]
     for axis, name, unit in ((ttft, "ttft", "s"), (tpot, "tpot", "s")):
         for q, style in (("p50", "-o"), ("p99", "--o")):
@@ -260,6 +254,10 @@ def plot(report: dict, path: Path) -> None:
                     f"{report['server_errors']} 5xx, {report['restarts']} restarts")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def shown_slope(slope: dict[str, float], unit: str = " MiB/h") -> str:
+    return f"{slope['mib_per_hour']:+.0f}{unit} [{slope['low']:+.0f}, {slope['high']:+.0f}]"
 
 
 def markdown(report: dict) -> str:
@@ -278,16 +276,13 @@ def markdown(report: dict) -> str:
                                        f"{slope['high']:+.0f}] ({slope['samples']} samples)")]
     by_process = slopes_by_process(report.get("rss") or [{}])
     if by_process:
-        rows.append(("RSS slope by process", ", ".join(f"{PROCESS_NAMES.get(name, name)} {each['mib_per_hour']:+.0f} "
-                                                       f"[{each['low']:+.0f}, {each['high']:+.0f}]"
+        rows.append(("RSS slope by process", ", ".join(f"{PROCESS_NAMES.get(name, name)} {shown_slope(each, '')}"
                                                        for name, each in by_process.items())))
     anonymous = slopes_by_process(report.get("rss") or [{}], "anon_by_process").get("VLLM::Worker")
-    changes = list((report.get("worker_growth_by_mapping_mib") or {}).items())[:3]
-    if anonymous and changes:
-        rows.append(("the worker's anonymous memory",
-                     f"{anonymous['mib_per_hour']:+.0f} MiB/h [{anonymous['low']:+.0f}, {anonymous['high']:+.0f}]; "
-                     "largest changes: " + ", ".join(f"{Path(path).name or path} {change:+.0f} MiB"
-                                                     for path, change in changes)))
+    if anonymous:
+        rows.append(("the worker's anonymous memory", shown_slope(anonymous)))
+    if report.get("allocated_slope"):
+        rows.append(("the worker's live heap (its allocator's count)", shown_slope(report["allocated_slope"])))
     warm = report.get("warm_up")
     if warm:
         rows.insert(0, ("before the clock", f"one prompt of {warm['prompt_tokens']:,} tokens per kernel path "
@@ -319,12 +314,14 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
     from rope_plugins.models.catalog import DEFAULT_MODEL
     from rope_plugins.models.provision import provision
     from rope_plugins.testing.launcher import start_server
+    from rope_plugins.worker.memory import INTERVAL_VARIABLE
 
     tokenizer = AutoTokenizer.from_pretrained(str(provision(DEFAULT_MODEL)))
     tokens = tokenizer(load_corpus("pydoc"), add_special_tokens=False)["input_ids"]
     log = out.with_name(out.stem + "_server.log")
     head = harness.header()  # the commit the server runs, before anything can change the checkout
-    server = start_server(["--log-level", "warning"], log, supervised=True)
+    server = start_server(["--log-level", "warning"], log, supervised=True,
+                          env={INTERVAL_VARIABLE: str(sample_seconds)})
     before = sum(tree_rss(server.process.pid)["rss"].values())
     warmed = warm_up(server.base, tokens, tokenizer, WARM_UP_METHODS) if warm else None
     if warmed:
@@ -332,9 +329,8 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
                       rss_after_mib=round(sum(tree_rss(server.process.pid)["rss"].values()), 1))
         print(f"warm-up: {warmed}", flush=True)
     records, samples, stop = [], [], threading.Event()
-    began = time.monotonic()
+    began, began_epoch = time.monotonic(), time.time()
     samples.append(memory_sample(server.process.pid, 0.0))
-    mappings = resident_by_mapping(server.process.pid)
     sampler = threading.Thread(target=sample_memory, args=(server.process.pid, sample_seconds, stop, began, samples),
                                daemon=True)
     sampler.start()
@@ -344,10 +340,10 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
         thread.start()
     follow(threads, records, samples, began, minutes)
     stop.set()
-    worker_mappings = mapping_growth(mappings, resident_by_mapping(server.process.pid))
     unfinished = sum(thread.is_alive() for thread in threads)
     server.stop()
     text = log.read_text()
+    allocator = worker_allocator(text, began_epoch)
     return {**head, "minutes": minutes, "clients": clients, "warm_up": warmed,
             "requests": len(records), "prompt_tokens": [r["prompt_tokens"] for r in records],
             "answers_by_status": dict(Counter(str(r["status"]) for r in records)),
@@ -357,7 +353,8 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
             "tracebacks_in_log": text.count("Traceback"), "rss_start_mib": samples[0]["rss_mib"],
             "rss_peak_mib": max(s["rss_mib"] for s in samples), "rss_end_mib": samples[-1]["rss_mib"],
             "rss_slope": rss_slope(samples),
-            "worker_growth_by_mapping_mib": worker_mappings, "windows": windows(records, minutes), "rss": samples,
+            "allocated_slope": rss_slope(allocator, "allocated", "allocator") if allocator else None,
+            "worker_allocator": allocator, "windows": windows(records, minutes), "rss": samples,
             "records": records}
 
 

@@ -27,6 +27,8 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from rope_plugins.worker.memory import start_memory_log
+
 
 def discarded_rows(discard_mask: np.ndarray, num_rows: int) -> list[int]:
     """The batch rows whose sampled token this step throws away (partial prefills)."""
@@ -61,7 +63,8 @@ class SeededCPUModelRunner(CPUModelRunner):
 
 class SeededCPUWorker(CPUWorker):
     """vLLM's CPU worker running :class:`SeededCPUModelRunner` (its V1 runner; the V2 runner
-    keeps no ``torch.Generator`` per request and is left as it is)."""
+    keeps no ``torch.Generator`` per request and is left as it is); it logs its memory when
+    asked (:mod:`rope_plugins.worker.memory`)."""
 
     def init_device(self) -> None:
         super().init_device()
@@ -69,3 +72,4 @@ class SeededCPUWorker(CPUWorker):
             # vLLM's worker builds its runner by name inside init_device; the seam is the worker
             # class, so the stock runner it built is replaced by ours, built the same way.
             self.model_runner = SeededCPUModelRunner(self.vllm_config, self.device)
+        start_memory_log()
