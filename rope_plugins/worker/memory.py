@@ -82,8 +82,9 @@ def parse_memory_line(line: str) -> dict[str, float] | None:
     return {"time": float(match["time"]), **sizes}
 
 
-def start_memory_log(environ: os._Environ | dict[str, str] = os.environ) -> threading.Thread | None:
-    """A daemon thread logging :func:`memory_line` every ``ROPE_EXTEND_MEMORY_LOG_S`` seconds."""
+def start_memory_log(environ: os._Environ | dict[str, str] = os.environ) -> threading.Event | None:
+    """A daemon thread logging :func:`memory_line` every ``ROPE_EXTEND_MEMORY_LOG_S`` seconds
+    until the event returned is set (None: not asked)."""
     every = float(environ.get(INTERVAL_VARIABLE) or 0)
     if every <= 0:
         return None
@@ -93,6 +94,5 @@ def start_memory_log(environ: os._Environ | dict[str, str] = os.environ) -> thre
         while not stop.wait(every):
             logger.warning(memory_line(allocator_counts(), time.time()))
 
-    thread = threading.Thread(target=log_memory, name="memory-log", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=log_memory, name="memory-log", daemon=True).start()
+    return stop

@@ -1,5 +1,5 @@
 """bench/soak.py: the prompt lengths follow their law, the memory slope's interval holds the truth
-(correlated samples included), the mappings' change, and the windows and the report render."""
+(correlated samples included), the worker's allocator lines, and the windows and the report render."""
 
 from __future__ import annotations
 
@@ -64,8 +64,11 @@ def test_correlated_samples_widen_the_interval_past_a_false_leak():
     assert slope["low"] < 0 < slope["high"]
 
 
-def test_mapping_growth_lists_the_largest_changes_first():
-    before = {"[anon]": 3000.0, "/usr/lib/libtorch_cpu.so": 400.0, "[heap]": 50.0}
-    after = {"[anon]": 3060.0, "/usr/lib/libtorch_cpu.so": 399.0, "[heap]": 20.0, "/dev/shm/ring": 8.0}
-    assert list(soak.mapping_growth(before, after, shown=3).items()) == [("[anon]", 60.0), ("[heap]", -30.0),
-                                                                         ("/dev/shm/ring", 8.0)]
+def test_the_workers_memory_lines_become_samples_from_the_clock():
+    from rope_plugins.worker.memory import memory_line
+
+    lines = [memory_line({"allocated": 3000 * 2**20, "resident": 3600 * 2**20}, at) for at in (95.0, 100.0, 110.5)]
+    log = "\n".join(["12:00:00 WARNING other: worker memory is a phrase", *lines, "Traceback (most recent call last):"])
+    samples = soak.worker_allocator(log, began=100.0)
+    assert samples == [{"t_s": 0.0, "allocator": {"allocated": 3000.0, "resident": 3600.0}},
+                       {"t_s": 10.5, "allocator": {"allocated": 3000.0, "resident": 3600.0}}]
