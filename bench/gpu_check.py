@@ -3,7 +3,7 @@
     .venv/bin/python -m bench gpu                          # on CUDA device 0 (a few minutes)
     .venv/bin/python -m bench gpu --interpret              # small, on this CPU
 
-One paged step per (head shape, dtype): Llama 3 8B's heads (32 q / 8 kv, d128), Qwen2.5 7B's
+One paged step per (head shape, dtype, KV cache): Llama 3 8B's heads (32 q / 8 kv, d128), Qwen2.5 7B's
 (28 / 4) and 0.5B's (14 / 2, d64); float32, float16, bfloat16. A step holds rows of every method
 (some with log-n): prefill chunks after a cached context, a first chunk, decode rows at 2,000 to
 8,000 keys. The cache-write kernel writes the step's keys (and padded tokens at slot -1, which
@@ -17,6 +17,8 @@ float16 (its bfloat16 dots are not trustworthy). Writes ``--out`` after each cas
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import math
 import os
 import platform
@@ -39,6 +41,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # ones). Seen under the interpreter: float32 (IEEE dots) below 1e-6, float16 below 7e-4;
 # bfloat16 keeps 3 fewer mantissa bits than float16 (8x its rounding).
 TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+# The caches a case can hold, by vLLM's --kv-cache-dtype names: the model's dtype, or fp8 by
+# per-tensor scales that are no power of two (a scale applied twice or not at all shows). The
+# oracle reads the values an fp8 cache holds: the tolerance is the model dtype's, fp8's own
+# rounding is the quality table's matter (docs/usage.md).
+CACHE_FORMATS = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_SCALES = (0.37, 1.7)  # (key, value)
 
 
 @dataclass(frozen=True)
@@ -144,20 +152,22 @@ def key_tiles_of(key_tile: int | None) -> dict[str, int]:
     return {"prefill": key_tile or gpu.PREFILL_KEY_TILE, "decode": key_tile or gpu.DECODE_KEY_TILE}
 
 
-def run_kernels(step, device: torch.device, sizes: Sizes, key_tile: int | None = None) -> tuple[torch.Tensor, bool]:
+def run_kernels(step, device: torch.device, sizes: Sizes, key_tile: int | None = None,
+                fp8: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
     """The step through the three kernels as the engine runs them: its keys and values
     written (with padded tokens) into a cache whose slots for them hold NaN, then prefill and
-    decode (:func:`key_tiles_of`). Returns the output (CPU) and whether the cache write left
-    the cache exactly right."""
+    decode (:func:`key_tiles_of`); an ``fp8`` cache (the step's holds its bytes) by FP8_SCALES.
+    Returns the output (CPU) and whether the cache write left the cache exactly right."""
     from rope_plugins.attention.planner import kernel_plan
     from rope_plugins.ops import gpu
 
     step = step.to(device)
-    cache = step.cache.clone()
-    cache[step.slots // BLOCK, :, step.slots % BLOCK] = float("nan")
+    cache, scales = step.cache.clone(), dict(zip(("key_scale", "value_scale"), FP8_SCALES)) if fp8 else {}
+    cache[step.slots // BLOCK, :, step.slots % BLOCK] = 0x7F if fp8 else float("nan")  # 0x7F: fp8's NaN
+    cache = cache.view(fp8) if fp8 else cache
     garbage = torch.randn(PADDED, *step.key.shape[1:], device=device).to(step.key.dtype)
     slots = torch.cat((step.slots, torch.full((PADDED,), -1, dtype=step.slots.dtype, device=device)))
-    gpu.write_cache(torch.cat((step.key, garbage)), torch.cat((step.value, garbage)), cache, slots)
+    gpu.write_cache(torch.cat((step.key, garbage)), torch.cat((step.value, garbage)), cache, slots, **scales)
     launch = {name: value for name, value in (("query_tile", sizes.query_tile),
                                               ("min_split_keys", sizes.min_split_keys)) if value is not None}
     plan = kernel_plan(step.tables, query_start_cpu=step.starts.cpu(), query_start=step.starts.to(torch.int32),
@@ -166,64 +176,81 @@ def run_kernels(step, device: torch.device, sizes: Sizes, key_tile: int | None =
     output = torch.full_like(step.query, float("nan"))
     scale = step.query.shape[-1] ** -0.5
     tiles = key_tiles_of(key_tile)
-    gpu.prefill(step.query, cache, plan, output, scale=scale, key_tile=tiles["prefill"])
-    gpu.decode(step.query, cache, plan, output, scale=scale, key_tile=tiles["decode"])
+    gpu.prefill(step.query, cache, plan, output, scale=scale, key_tile=tiles["prefill"], **scales)
+    gpu.decode(step.query, cache, plan, output, scale=scale, key_tile=tiles["decode"], **scales)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return output.cpu(), torch.equal(cache, step.cache)
+    return output.cpu(), torch.equal(cache.view(torch.uint8) if fp8 else cache, step.cache)
 
 
-def case_of(shape: Shape, dtype: str, tolerance: float, key_tile: int | None, **measured) -> dict:
+def case_of(shape: Shape, dtype: str, cache: str, tolerance: float, key_tile: int | None, **measured) -> dict:
     """A case's record: what ran, then what was measured (or the error it raised)."""
     return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
-            "dtype": dtype, "key_tiles": key_tiles_of(key_tile), "tolerance": tolerance, **measured}
+            "dtype": dtype, "kv_cache_dtype": cache, "key_tiles": key_tiles_of(key_tile), "tolerance": tolerance,
+            **measured}
 
 
-def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, tolerance: float,
+def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, cache: str, tolerance: float,
                device: torch.device, sizes: Sizes, key_tile: int | None) -> dict:
-    """One step in one dtype against the oracle's rows: the errors and the verdict (a kernel that
-    raised, e.g. bfloat16 before Ampere, is a failed case with its error)."""
+    """One step in one dtype on one cache against the oracle's rows: the errors and the verdict (a
+    kernel that raised, e.g. bfloat16 before Ampere, is a failed case with its error)."""
+    case = partial(case_of, shape, dtype, cache, tolerance, key_tile)
     try:
-        output, cache_exact = run_kernels(step, device, sizes, key_tile)
+        output, cache_exact = run_kernels(step, device, sizes, key_tile, CACHE_FORMATS[cache])
     except Exception as error:
-        return case_of(shape, dtype, tolerance, key_tile, cache_write_exact=False, max_error=None,
-                       relative_error=None, passed=False, rows=[], error=f"{type(error).__name__}: {error}"[:4000])
+        return case(cache_write_exact=False, max_error=None, relative_error=None, passed=False, rows=[],
+                    error=f"{type(error).__name__}: {error}"[:4000])
     errors = [row_errors(output[int(step.starts[r]): int(step.starts[r + 1])], oracle)
               for r, oracle in enumerate(expected)]
     worst = {key: max(error[key] for error in errors) for key in ("max_error", "relative_error")}
     rows = [{"settings": settings.canonical(), "context": context, "new": new,
              **{key: finite(value) for key, value in error.items()}}
             for (settings, context, new), error in zip(step.rows, errors)]
-    return case_of(shape, dtype, tolerance, key_tile, tokens=int(step.starts[-1]), keys=int(step.seq_lens.sum()),
-                   cache_write_exact=cache_exact, **{key: finite(value) for key, value in worst.items()},
-                   passed=cache_exact and worst["relative_error"] <= tolerance, rows=rows)
+    return case(tokens=int(step.starts[-1]), keys=int(step.seq_lens.sum()), cache_write_exact=cache_exact,
+                **{key: finite(value) for key, value in worst.items()},
+                passed=cache_exact and worst["relative_error"] <= tolerance, rows=rows)
+
+
+def cached(step, cache: str):
+    """The step on a ``cache`` (``auto``: its own; an fp8 format: its bytes by FP8_SCALES), and the
+    step the oracle reads (an fp8 cache's keys and values as they read back)."""
+    from rope_plugins.testing.paged_steps import fp8_cached
+
+    if CACHE_FORMATS[cache] is None:
+        return step, step
+    bytes_, oracle = fp8_cached(step, CACHE_FORMATS[cache], *FP8_SCALES)
+    return dataclasses.replace(step, cache=bytes_), oracle
 
 
 def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float], device: torch.device, *,
-                  key_tiles: tuple[int | None, ...] = (None,), on_case=lambda cases: None) -> dict:
-    """Part 1: every shape in every dtype, at every key tile (None: the kernels' own); the
-    oracle once per shape. ``on_case`` sees the cases so far after each (a run cut short keeps them)."""
+                  key_tiles: tuple[int | None, ...] = (None,), caches: tuple[str, ...] = ("auto",),
+                  on_case=lambda cases: None) -> dict:
+    """Part 1: every shape in every dtype on every cache, at every key tile (None: the kernels'
+    own); the oracle once per shape and cache. ``on_case`` sees the cases so far after each (a
+    run cut short keeps them)."""
     from tqdm import tqdm
 
     from rope_plugins.testing.paged_steps import paged_step
 
     rows, cases = step_rows(sizes), []
-    with tqdm(total=len(sizes.shapes) * (len(rows) + len(dtypes) * len(key_tiles)), desc="kernels", unit="step") as bar:
-        for seed, shape in enumerate(sizes.shapes):
+    with tqdm(total=len(sizes.shapes) * len(caches) * (len(rows) + len(dtypes) * len(key_tiles)), desc="kernels",
+              unit="step") as bar:
+        for (seed, shape), cache in itertools.product(enumerate(sizes.shapes), caches):
             build = partial(paged_step, rows, seed=seed, head=shape.head, kv=shape.kv,  # this shape's step, in a dtype
                             queries_per_kv=shape.queries_per_kv, block=BLOCK, grid=torch.bfloat16)
-            reference = build(dtype=DTYPES["float32"])
+            reference, oracle = cached(build(dtype=DTYPES["float32"]), cache)
             expected = []
             for r in range(len(rows)):
-                bar.set_postfix_str(f"oracle: {shape.label}, row {r + 1}/{len(rows)}")
-                expected.append(reference.expected_row(r))
+                bar.set_postfix_str(f"oracle: {shape.label}, {cache} cache, row {r + 1}/{len(rows)}")
+                expected.append(oracle.expected_row(r))
                 bar.update()
             for dtype in dtypes:
-                step = build(dtype=DTYPES[dtype])
+                step = cached(build(dtype=DTYPES[dtype]), cache)[0]
                 assert torch.equal(step.query.float(), reference.query), "the dtypes' steps must hold the same numbers"
                 for key_tile in key_tiles:
-                    bar.set_postfix_str(f"kernels: {shape.label}, {dtype}, key tile {key_tile or 'default'}")
-                    cases.append(check_case(step, expected, shape, dtype, tolerances[dtype], device, sizes, key_tile))
+                    bar.set_postfix_str(f"kernels: {shape.label}, {dtype}, {cache}, key tile {key_tile or 'default'}")
+                    cases.append(check_case(step, expected, shape, dtype, cache, tolerances[dtype], device, sizes,
+                                            key_tile))
                     on_case(cases)
                     bar.update()
     return {"passed": all(case["passed"] for case in cases), "complete": True, "block_size": BLOCK, "cases": cases}
@@ -252,12 +279,13 @@ def markdown(report: dict) -> str:
     env, kernels = report["environment"], report.get("kernels") or {"cases": []}
     lines = [f"Checked {report['date'][:10]} on an {env['gpu'] or 'interpreter'} (CUDA {env['cuda']}, torch "
              f"{env['torch']}, Triton {env['triton']}): largest error against the float64 oracle, relative to the "
-             "largest output of its row.", "",
-             "| heads | dtype | key tiles (prefill/decode) | error | relative | allowed | cache write | verdict |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "largest output of its row; key tiles: prefill's/decode's.", "",
+             "| heads | dtype | KV cache | key tiles | error | relative | allowed | cache write | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for case in kernels["cases"]:
         tiles = case.get("key_tiles") or {"prefill": KEY_TILE, "decode": KEY_TILE}  # before launches were recorded
-        lines.append(f"| {case['shape']} | {case['dtype']} | {tiles['prefill']}/{tiles['decode']} | "
+        lines.append(f"| {case['shape']} | {case['dtype']} | {case.get('kv_cache_dtype', 'auto')} | "
+                     f"{tiles['prefill']}/{tiles['decode']} | "
                      f"{number(case['max_error'])} | {number(case['relative_error'])} | {case['tolerance']:.0e} | "
                      f"{'exact' if case['cache_write_exact'] else 'wrong'} | {'pass' if case['passed'] else 'FAIL'} |")
     verdict = "every case passed" if kernels.get("passed") else "some cases failed or did not run"
@@ -268,11 +296,12 @@ def failures(report: dict) -> str:
     """What failed, row by row, under the table."""
     lines = []
     for case in (report.get("kernels") or {"cases": []})["cases"]:
+        named = f"{case['shape']}, {case['dtype']}, {case.get('kv_cache_dtype', 'auto')} cache"
         if "error" in case:
-            lines.append(f"{case['shape']}, {case['dtype']}: raised {case['error'].splitlines()[0][:200]}")
+            lines.append(f"{named}: raised {case['error'].splitlines()[0][:200]}")
         for row in case["rows"] if not case["passed"] else []:
-            lines.append(f"{case['shape']}, {case['dtype']}: {row['settings']} context {row['context']} + "
-                         f"{row['new']}: {number(row['max_error'])}, relative {number(row['relative_error'])}")
+            lines.append(f"{named}: {row['settings']} context {row['context']} + {row['new']}: "
+                         f"{number(row['max_error'])}, relative {number(row['relative_error'])}")
     return "\n".join(lines)
 
 
@@ -296,6 +325,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="dtypes (default: all three on CUDA, float32 and float16 under --interpret)")
     parser.add_argument("--tolerance", action="append", default=[], metavar="DTYPE=VALUE",
                         help=f"largest relative error allowed for a dtype (default {TOLERANCE})")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", choices=list(CACHE_FORMATS),
+                        help="caches (default: all three on CUDA, auto and fp8_e4m3 under --interpret)")
     parser.add_argument("--key-tiles", type=int, nargs="+", default=[None],
                         help="keys per inner step of both attention kernels, each checked "
                              "(default: each kernel's own)")
@@ -317,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = {"real": REAL, "small": SMALL}[args.sizes or ("small" if args.interpret else "real")]
     dtypes = args.dtypes or (["float32", "float16"] if args.interpret else list(DTYPES))
+    caches = args.kv_cache_dtypes or (["auto", "fp8_e4m3"] if args.interpret else list(CACHE_FORMATS))
     report = {"date": harness.now(),
               "mode": "interpreter" if args.interpret else "cuda", "environment": versions(device)}
 
@@ -328,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         harness.write_json(report, args.out, allow_nan=False)
 
     kernels = check_kernels(sizes, dtypes, tolerance_overrides(args.tolerance), device,
-                            key_tiles=tuple(args.key_tiles), on_case=write)
+                            key_tiles=tuple(args.key_tiles), caches=tuple(caches), on_case=write)
     write(kernels["cases"], complete=True)
     print(markdown(report), failures(report), sep="\n\n")
     print(f"\nwrote {args.out}")

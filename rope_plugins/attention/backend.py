@@ -100,10 +100,6 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
         self.use_kernel = True  # the tests switch it off to hold the plain PyTorch path against the oracle
         config = get_current_vllm_config_or_none()
         self.rounded_once = rounded_once_in(config)
-        triton = torch.cuda.is_available() or (config is not None and runs_triton(config, torch.device("cpu")))
-        if self.fp8 is not None and triton:
-            raise NotImplementedError(f"--kv-cache-dtype {kv_cache_dtype}: the Triton kernels do not read an fp8 "
-                                      "cache yet; the CPU ops do")
         if not torch.cuda.is_available():
             cpu.built_kernels()  # build or load them now, at model construction, not inside the first step
 
@@ -118,17 +114,18 @@ class RopeExtendAttentionImpl(AttentionImpl[StepPlan | KernelPlan]):
         plan = attn_metadata
         tokens = plan.num_actual_tokens
         query, key, value = query[:tokens], key[:tokens], value[:tokens]
-        if isinstance(plan, KernelPlan):
-            from rope_plugins.ops import gpu  # imports Triton: only where the kernels run
-
-            if self.kv_sharing_target_layer_name is None:
-                gpu.write_cache(key, value, kv_cache, plan.slot_mapping)
-            gpu.prefill(query, kv_cache, plan, output, scale=self.scale)
-            gpu.decode(query, kv_cache, plan, output, scale=self.scale)
-            return output
         scales = cpu.CacheScales()
         if self.fp8 is not None:  # vLLM allocates an fp8 cache as bytes
             kv_cache, scales = kv_cache.view(self.fp8), cpu.CacheScales(layer._k_scale_float, layer._v_scale_float)
+        if isinstance(plan, KernelPlan):
+            from rope_plugins.ops import gpu  # imports Triton: only where the kernels run
+
+            scaled = dict(key_scale=scales.key, value_scale=scales.value)
+            if self.kv_sharing_target_layer_name is None:
+                gpu.write_cache(key, value, kv_cache, plan.slot_mapping, **scaled)
+            gpu.prefill(query, kv_cache, plan, output, scale=self.scale, **scaled)
+            gpu.decode(query, kv_cache, plan, output, scale=self.scale, **scaled)
+            return output
         if self.kv_sharing_target_layer_name is None:
             cpu.write_cache(key, value, kv_cache, plan.slot_mapping, use_kernel=self.use_kernel, scales=scales)
         if plan.decode is not None:

@@ -257,13 +257,15 @@ def softmax_step(scores, running_max, running_sum):
 
 @triton.jit
 def weigh_values(out, weights, correction, value_at, mask, HALF: tl.constexpr, DOT: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, OPERAND: tl.constexpr):
     """The output halves ``out`` rescaled by ``correction`` plus ``weights`` x the tile's values:
-    by ``tl.dot`` in the values' type, or (``DOT`` off) by float32 broadcast sums."""
+    by ``tl.dot`` in the queries' type ``OPERAND`` (an fp8 cache's values widened to it), or
+    (``DOT`` off) by float32 broadcast sums."""
     out_first, out_second = out
     value_first, value_second = load_pair(value_at, mask, HALF)
     if DOT:
-        weights = weights.to(value_first.dtype)
+        value_first, value_second = value_first.to(OPERAND), value_second.to(OPERAND)
+        weights = weights.to(OPERAND)
         out_first = out_first * correction[:, None] + tl.dot(weights, value_first, input_precision=PRECISION)
         out_second = out_second * correction[:, None] + tl.dot(weights, value_second, input_precision=PRECISION)
     else:
@@ -314,7 +316,8 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
         else:
             scores = tl.where(valid[None, :], scores, float("-inf"))
         running_max, running_sum, weights, correction = softmax_step(scores, running_max, running_sum)
-        out = weigh_values(out, weights, correction, key_at + 2 * HALF, key_mask, HALF, DOT, PRECISION)
+        out = weigh_values(out, weights, correction, key_at + 2 * HALF, key_mask, HALF, DOT, PRECISION,
+                           near_query[0].dtype)
     return running_max, running_sum, out
 
 
@@ -325,17 +328,37 @@ def attend_key_tiles(near_query, far_query, position, rule, key_start, key_end, 
 
 
 @triton.jit
+def fp8_rounded(x, largest, MANTISSA: tl.constexpr, LEAST_EXPONENT: tl.constexpr):
+    """float32 ``x`` saturated at ``±largest`` and rounded to the nearest (ties to even) value of
+    an fp8 format of ``MANTISSA`` bits whose least normal exponent is ``LEAST_EXPONENT``: a float32
+    the format holds exactly, which any conversion then stores exactly. (Triton's interpreter
+    converts to fp8 without carrying a rounding into the exponent: 7.96 becomes 4 in e4m3.)"""
+    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0, and what rounds to zero, keep theirs
+    magnitude = tl.minimum(tl.abs(x), largest)
+    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    # the format's spacing at x, a power of two (subnormals: that of the least normal binade), and
+    # its inverse: multiplying by either is exact (a GPU's float32 division is approximate)
+    spacing_exponent = tl.maximum(exponent, LEAST_EXPONENT) - MANTISSA
+    spacing = ((spacing_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    steps = magnitude * ((127 - spacing_exponent) << 23).to(tl.float32, bitcast=True)  # below 2^(MANTISSA + 1)
+    rounded = ((steps + 8388608.0) - 8388608.0) * spacing  # 2^23: float32 addition rounds to an integer
+    return tl.where(negative, -rounded, rounded)
+
+
+@triton.jit
 def write_cache_kernel(
     # outputs
     cache_ptr,  # [blocks, kv heads, block, 2d]: keys then values, unrotated
     # inputs
     key_ptr, value_ptr,  # [T, kv heads, d]
+    key_scale, value_scale, largest,  # an fp8 cache's: each key and value is stored divided by its scale
     # the step's rows
     slot_ptr,  # [T] each token's slot; -1: padding
     # strides
     stride_cb, stride_ch, stride_cs, stride_kt, stride_kh, stride_vt, stride_vh,
     # constexpr sizes
-    BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, QUANTIZE: tl.constexpr,
+    MANTISSA: tl.constexpr, LEAST_EXPONENT: tl.constexpr,  # an fp8 cache's format
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -345,9 +368,14 @@ def write_cache_kernel(
         inside = dims < HEAD
         key = tl.load(key_ptr + token * stride_kt + kv_head * stride_kh + dims, mask=inside)
         value = tl.load(value_ptr + token * stride_vt + kv_head * stride_vh + dims, mask=inside)
+        if QUANTIZE:
+            # divided as IEEE divides (round to nearest), as vLLM's CUDA cache write does
+            key = fp8_rounded(tl.math.div_rn(key.to(tl.float32), key_scale), largest, MANTISSA, LEAST_EXPONENT)
+            value = fp8_rounded(tl.math.div_rn(value.to(tl.float32), value_scale), largest, MANTISSA, LEAST_EXPONENT)
+        cached = cache_ptr.dtype.element_ty
         target = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch + (slot % BLOCK_SIZE) * stride_cs
-        tl.store(target + dims, key, mask=inside)
-        tl.store(target + HEAD + dims, value, mask=inside)
+        tl.store(target + dims, key.to(cached), mask=inside)
+        tl.store(target + HEAD + dims, value.to(cached), mask=inside)
 
 
 @triton.jit
@@ -355,9 +383,10 @@ def prefill_kernel(
     # outputs
     out_ptr,  # [T, heads, d]
     # inputs
-    query_ptr, softmax_scale,  # [T, heads, d] unrotated
+    query_ptr, softmax_scale,  # [T, heads, d] unrotated; an fp8 cache's key scale included
     # the paged cache
     cache_ptr, block_table_ptr,  # [blocks, kv heads, block, 2d] unrotated keys, then values; [R, max blocks]
+    value_scale,  # an fp8 cache's (1 otherwise): the output's factor
     # the step's rows
     query_start_ptr, seq_lens_ptr,  # [R + 1], [R]
     tile_row_ptr, tile_start_ptr,  # [programs] each program's batch row, and its first query in the row's chunk
@@ -397,8 +426,9 @@ def prefill_kernel(
 
     out_at = out_ptr + token[:, None] * stride_ot + head * stride_oh + pairs[None, :]
     out_type = out_ptr.dtype.element_ty
-    tl.store(out_at, (out[0] / running_sum[:, None]).to(out_type), mask=query_mask)
-    tl.store(out_at + HALF, (out[1] / running_sum[:, None]).to(out_type), mask=query_mask)
+    normaliser = running_sum[:, None] / value_scale
+    tl.store(out_at, (out[0] / normaliser).to(out_type), mask=query_mask)
+    tl.store(out_at + HALF, (out[1] / normaliser).to(out_type), mask=query_mask)
 
 
 @triton.jit
@@ -406,7 +436,7 @@ def decode_split_kernel(
     # outputs
     partial_ptr, lse_ptr,  # [Rd, heads, splits, d] each split's normalised output; [Rd, heads, splits] its log-sum-exp
     # inputs
-    query_ptr, softmax_scale,  # [T, heads, d] unrotated
+    query_ptr, softmax_scale,  # [T, heads, d] unrotated; an fp8 cache's key scale included
     # the paged cache
     cache_ptr, block_table_ptr,  # [blocks, kv heads, block, 2d] unrotated keys, then values; [R, max blocks]
     # the step's rows
@@ -465,6 +495,7 @@ def decode_reduce_kernel(
     out_ptr,  # [T, heads, d]
     # inputs
     partial_ptr, lse_ptr,  # decode_split_kernel's outputs
+    value_scale,  # an fp8 cache's (1 otherwise): the output's factor
     # the step's rows
     query_start_ptr, decode_rows_ptr, splits,
     # strides
@@ -482,7 +513,7 @@ def decode_reduce_kernel(
     dims = tl.arange(0, HEAD_PAD)
     partial = tl.load(partial_ptr + decode_row * stride_pr + head * stride_ph + split[:, None] * stride_ps
                       + dims[None, :], mask=in_splits[:, None] & (dims < HEAD)[None, :], other=0.0)
-    out = tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0)
+    out = tl.sum(weights[:, None] * partial, axis=0) * (value_scale / tl.sum(weights, axis=0))
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD)
 
 
@@ -491,14 +522,28 @@ def decode_reduce_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+# each fp8 cache format's mantissa bits and least normal exponent (fp8_rounded)
+FP8_FORMATS = {torch.float8_e4m3fn: dict(MANTISSA=3, LEAST_EXPONENT=-6),
+               torch.float8_e5m2: dict(MANTISSA=2, LEAST_EXPONENT=-14)}
+
+
+def is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in FP8_FORMATS
+
+
+def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                key_scale: float = 1.0, value_scale: float = 1.0) -> None:
     """Unrotated keys and values ``[T, kv, d]`` into their slots of ``kv_cache``
-    ``[blocks, kv, block, 2d]``; slots of -1 (padding) are skipped."""
+    ``[blocks, kv, block, 2d]``; slots of -1 (padding) are skipped. An fp8 cache holds each
+    divided by its scale, saturated and rounded to nearest, as vLLM's CUDA cache writes fp8 (the
+    CPU ops round toward zero, as vLLM's CPU cache does)."""
     tokens, kv_heads, head = key.shape
     if tokens == 0:
         return
     write_cache_kernel[(tokens, kv_heads)](
-        cache_ptr=kv_cache, key_ptr=key, value_ptr=value, slot_ptr=slot_mapping,
+        cache_ptr=kv_cache, key_ptr=key, value_ptr=value, slot_ptr=slot_mapping, key_scale=key_scale,
+        value_scale=value_scale, largest=torch.finfo(kv_cache.dtype).max if is_fp8(kv_cache) else 0.0,
+        QUANTIZE=is_fp8(kv_cache), **FP8_FORMATS.get(kv_cache.dtype, FP8_FORMATS[torch.float8_e4m3fn]),
         stride_cb=kv_cache.stride(0), stride_ch=kv_cache.stride(1), stride_cs=kv_cache.stride(2),
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
         BLOCK_SIZE=kv_cache.shape[2], HEAD=head, HEAD_PAD=triton.next_power_of_2(head))
@@ -534,14 +579,17 @@ def attention_arguments(query: torch.Tensor, kv_cache: torch.Tensor, plan: Kerne
 
 
 def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
-            scale: float, key_tile: int = PREFILL_KEY_TILE, num_warps: int = PREFILL_WARPS) -> None:
+            scale: float, key_tile: int = PREFILL_KEY_TILE, num_warps: int = PREFILL_WARPS, key_scale: float = 1.0,
+            value_scale: float = 1.0) -> None:
     """Every prefill row's queries ``[T, heads, d]`` (unrotated) into ``output``; ``key_tile`` and
-    ``num_warps``: launch choices (bench/gpu_kernel_speed.py sweeps them), any of which is exact."""
+    ``num_warps``: launch choices (bench/gpu_kernel_speed.py sweeps them), any of which is exact.
+    An fp8 cache's scales fold into the softmax scale (``q . (s k) = s (q . k)``) and the output."""
     tiles = plan.prefill_tiles
     if tiles is None:
         return
     prefill_kernel[(tiles.row.numel(), query.shape[1])](
-        out_ptr=output, softmax_scale=scale, tile_row_ptr=tiles.row, tile_start_ptr=tiles.start,
+        out_ptr=output, softmax_scale=scale * key_scale, value_scale=value_scale, tile_row_ptr=tiles.row,
+        tile_start_ptr=tiles.start,
         stride_ot=output.stride(0), stride_oh=output.stride(1), QUERY_TILE=tiles.size,
         PRECISION=dot_precision(query.dtype), num_warps=num_warps,
         **attention_arguments(query, kv_cache, plan, key_tile))
@@ -549,12 +597,13 @@ def prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, outpu
 
 def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor, *,
            scale: float, key_tile: int = DECODE_KEY_TILE, num_warps: int = DECODE_WARPS, dot: bool = DECODE_DOT,
-           tile_angles: bool = DECODE_TILE_ANGLES) -> None:
+           tile_angles: bool = DECODE_TILE_ANGLES, key_scale: float = 1.0, value_scale: float = 1.0) -> None:
     """Every decode row's query ``[heads, d]`` (unrotated) into ``output``: split-K, then a reduce.
     ``key_tile``, ``num_warps``, ``dot`` (a KV head's queries padded to 16 rows for ``tl.dot``,
     else broadcast sums in float32) and ``tile_angles`` (key tiles rotated by angle sums, where
     the splits hold whole tiles: a dual-chunk tile must lie in one chunk): launch choices
-    (bench/gpu_kernel_speed.py sweeps them), any of which is exact."""
+    (bench/gpu_kernel_speed.py sweeps them), any of which is exact. An fp8 cache's scales as
+    :func:`prefill`'s."""
     rows = plan.decode_rows
     if rows is None:
         return
@@ -564,14 +613,16 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output
     partial = torch.empty(count, heads, rows.splits, head, dtype=torch.float32, device=query.device)
     lse = torch.empty(count, heads, rows.splits, dtype=torch.float32, device=query.device)
     decode_split_kernel[(count, kv_heads, rows.splits)](
-        partial_ptr=partial, lse_ptr=lse, softmax_scale=scale, decode_rows_ptr=rows.row, split_keys=rows.split_keys,
+        partial_ptr=partial, lse_ptr=lse, softmax_scale=scale * key_scale, decode_rows_ptr=rows.row,
+        split_keys=rows.split_keys,
         stride_pr=partial.stride(0), stride_ph=partial.stride(1), stride_ps=partial.stride(2),
         stride_lr=lse.stride(0), stride_lh=lse.stride(1),
         QUERIES_PER_KV_PAD=max(16, group_rows) if dot else group_rows, DOT=dot, STEPS=tile_angles,
         PRECISION=dot_precision(query.dtype), num_warps=num_warps,
         **attention_arguments(query, kv_cache, plan, key_tile))
     decode_reduce_kernel[(count, heads)](
-        out_ptr=output, partial_ptr=partial, lse_ptr=lse, query_start_ptr=plan.query_start, decode_rows_ptr=rows.row,
+        out_ptr=output, partial_ptr=partial, lse_ptr=lse, value_scale=value_scale, query_start_ptr=plan.query_start,
+        decode_rows_ptr=rows.row,
         splits=rows.splits, stride_ot=output.stride(0), stride_oh=output.stride(1), stride_pr=partial.stride(0),
         stride_ph=partial.stride(1), stride_ps=partial.stride(2), stride_lr=lse.stride(0), stride_lh=lse.stride(1),
         HEAD=head, HEAD_PAD=triton.next_power_of_2(head), SPLITS_PAD=triton.next_power_of_2(rows.splits))

@@ -94,3 +94,27 @@ def paged_step(rows, *, seed=0, head=32, kv=2, queries_per_kv=3, block=16, dtype
                      starts=torch.tensor([0] + [new for _, _, new in rows]).cumsum(0), seq_lens=torch.tensor(lengths),
                      block_table=block_table, slots=torch.cat(slots), sequences=sequences, query=new_tokens(0),
                      key=new_tokens(1), value=new_tokens(2))
+
+
+def nearest_fp8(x: torch.Tensor, scale: float, fp8: torch.dtype) -> torch.Tensor:
+    """``x / scale`` saturated and rounded to the nearest ``fp8`` value: how the Triton write
+    (and vLLM's CUDA cache) quantizes."""
+    largest = torch.finfo(fp8).max
+    return (x.float() / scale).clamp(-largest, largest).to(fp8)
+
+
+def fp8_cached(step: PagedStep, fp8: torch.dtype, key_scale: float, value_scale: float,
+               quantized=nearest_fp8) -> tuple[torch.Tensor, PagedStep]:
+    """``step``'s cache in ``fp8`` as bytes (keys and values divided by their scales and rounded by
+    ``quantized(x, scale, fp8)``), and the step whose keys and values are the ones that cache holds
+    read back: the oracle's inputs for kernels reading it."""
+    head = step.cache.shape[-1] // 2
+    keys, values = step.cache[..., :head], step.cache[..., head:]
+    cache = torch.cat((quantized(keys, key_scale, fp8).view(torch.uint8),
+                       quantized(values, value_scale, fp8).view(torch.uint8)), dim=-1)
+
+    def read(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return quantized(x, scale, fp8).float() * scale
+
+    return cache, dataclasses.replace(step, sequences=[(q, read(k, key_scale), read(v, value_scale))
+                                                       for q, k, v in step.sequences])

@@ -38,8 +38,9 @@ def interpreted(tmp_path_factory):
 def test_interpret_mode_passes_every_case(interpreted):
     stdout, report = interpreted
     cases = report["kernels"]["cases"]
-    assert {(case["shape"], case["dtype"]) for case in cases} == {
-        (shape.label, dtype) for shape in gpu_check.SMALL.shapes for dtype in ("float32", "float16")}
+    assert {(case["shape"], case["dtype"], case["kv_cache_dtype"]) for case in cases} == {
+        (shape.label, dtype, cache) for shape in gpu_check.SMALL.shapes for dtype in ("float32", "float16")
+        for cache in ("auto", "fp8_e4m3")}
     for case in cases:
         assert case["passed"] and case["cache_write_exact"], case
         assert 0 < case["relative_error"] <= case["tolerance"] == gpu_check.TOLERANCE[case["dtype"]]

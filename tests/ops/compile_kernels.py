@@ -24,7 +24,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64",
-                 torch.int32: "*i32", torch.int64: "*i64"}
+                 torch.int32: "*i32", torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
+
+
+# (model dtype, fp8 cache format or None for a cache in the model's dtype)
+CONFIGURATIONS = ((torch.float32, None), (torch.float16, None), (torch.bfloat16, None),
+                  (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2))
+FP8_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -72,9 +78,10 @@ class Recorder:
         return launch
 
 
-def captured_launches(dtype: torch.dtype) -> list[Launch]:
+def captured_launches(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> list[Launch]:
     """Every kernel launch of one step (prefill and decode rows of every method, GQA 4:1, head
-    size 128, bfloat16's grid) in ``dtype``."""
+    size 128, bfloat16's grid) in ``dtype``, on a cache of ``cache_dtype`` (None: ``dtype``; an
+    fp8 format, with scales: the kernels' fp8 paths)."""
     from rope_plugins.attention.planner import kernel_plan
     from rope_plugins.ops import gpu
     from rope_plugins.rules.settings import ExtensionSettings
@@ -86,15 +93,17 @@ def captured_launches(dtype: torch.dtype) -> list[Launch]:
     plan = kernel_plan(step.tables, query_start_cpu=step.starts, query_start=step.starts.to(torch.int32),
                        seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
                        block_table=step.block_table.to(torch.int32), slot_mapping=step.slots)
+    cache = step.cache if cache_dtype is None else step.cache.to(cache_dtype)
+    scales = {} if cache_dtype is None else dict(key_scale=0.5, value_scale=2.0)
     launches: list[Launch] = []
     kernels = ("write_cache_kernel", "prefill_kernel", "decode_split_kernel", "decode_reduce_kernel")
     originals = {name: getattr(gpu, name) for name in kernels}
     try:
         for name, kernel in originals.items():
             setattr(gpu, name, Recorder(kernel, launches))
-        gpu.write_cache(step.key, step.value, step.cache, step.slots)
-        gpu.prefill(step.query, step.cache, plan, torch.empty_like(step.query), scale=0.1)
-        gpu.decode(step.query, step.cache, plan, torch.empty_like(step.query), scale=0.1)
+        gpu.write_cache(step.key, step.value, cache, step.slots, **scales)
+        gpu.prefill(step.query, cache, plan, torch.empty_like(step.query), scale=0.1, **scales)
+        gpu.decode(step.query, cache, plan, torch.empty_like(step.query), scale=0.1, **scales)
     finally:
         for name, kernel in originals.items():
             setattr(gpu, name, kernel)
@@ -106,12 +115,17 @@ def main(argv: list[str]) -> int:
         print("compile_kernels: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
         return 2
     capabilities = [int(name.removeprefix("sm_")) for name in argv] or [90]
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for launch in captured_launches(dtype):
-            for capability in capabilities:
+    for dtype, cache_dtype in CONFIGURATIONS:
+        name = str(dtype).removeprefix("torch.") + (f"/{FP8_NAMES[cache_dtype]}" if cache_dtype else "")
+        for launch in captured_launches(dtype, cache_dtype):
+            # fp8 needs sm_89 or later (fp8e4nv); the reduce never reads the cache
+            if cache_dtype and launch.kernel.__name__ == "decode_reduce_kernel":
+                continue
+            for capability in capabilities if cache_dtype is None else [c for c in capabilities if c >= 89]:
                 compiled = launch.compile(GPUTarget("cuda", capability, 32))
-                print(f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} sm_{capability}: "
-                      f"shared {compiled.metadata.shared} B, PTX {len(compiled.asm['ptx'])} chars", flush=True)
+                ptx = compiled.asm["ptx"]
+                print(f"{launch.kernel.__name__} {name} sm_{capability}: shared {compiled.metadata.shared} B, "
+                      f"PTX {len(ptx)} chars, {ptx.count('div.full.f32')} approximate divisions", flush=True)
     return 0
 
 if __name__ == "__main__":

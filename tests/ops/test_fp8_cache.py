@@ -1,19 +1,19 @@
 """The fp8 KV cache (``--kv-cache-dtype fp8_e4m3 / fp8_e5m2``): its writes against stock vLLM's
 CPU cache, and every method reading it against the float64 oracle run on the dequantized keys
-and values, on a hand-made paged step and through the engine, mixed and chunked."""
+and values, on a hand-made paged step (the C++ kernels, the plain path, and the Triton kernels
+through the impl) and through the engine, mixed and chunked."""
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rope_plugins.attention.backend import RopeExtendAttentionImpl
-from rope_plugins.attention.planner import StepPlanner
+from rope_plugins.attention.planner import StepPlanner, kernel_plan
 from rope_plugins.ops import cpu
-from rope_plugins.testing.paged_steps import paged_step
+from rope_plugins.testing.paged_steps import fp8_cached, nearest_fp8, paged_step
 from tests.attention.test_attention import (
     BLOCK,
     DECODE_ROWS,
@@ -101,21 +101,12 @@ def test_rounding_is_toward_zero_and_saturates_at_the_largest_value():
     assert e5m2 == [448.0, -896.0, 384.0, 0.00244140625, -0.00244140625, 49152.0, 57344.0]
 
 
-def fp8_step(name: str, step=None):
-    """A step (:func:`rows_step`'s by default: every method, prefill and decode rows) with its
-    cache in fp8 (keys and values divided by SCALES, rounded as the write rounds them), and the
-    step whose keys and values are those of that cache read back: the oracle's inputs."""
-    step, fp8 = step or rows_step(0), FORMATS[name]
-    head = step.cache.shape[-1] // 2
-    keys, values = step.cache[..., :head], step.cache[..., head:]
-    cache = torch.cat((cpu.quantized(keys, SCALES.key, fp8).view(torch.uint8),
-                       cpu.quantized(values, SCALES.value, fp8).view(torch.uint8)), dim=-1)
-
-    def read(x: torch.Tensor, scale: float) -> torch.Tensor:
-        return cpu.quantized(x, scale, fp8).float() * scale
-
-    oracle = dataclasses.replace(step, sequences=[(q, read(k, SCALES.key), read(v, SCALES.value))
-                                                  for q, k, v in step.sequences])
+def fp8_step(name: str, step=None, quantized=cpu.quantized):
+    """A step (:func:`rows_step`'s by default: every method, prefill and decode rows), its cache in
+    fp8 by SCALES (rounded as the CPU ops' write rounds, or as ``quantized``), and the step whose
+    keys and values are those of that cache read back: the oracle's inputs."""
+    step = step or rows_step(0)
+    cache, oracle = fp8_cached(step, FORMATS[name], SCALES.key, SCALES.value, quantized)
     return step, cache, oracle
 
 
@@ -188,9 +179,26 @@ def test_every_method_mixed_and_chunked_on_an_fp8_cache_matches_the_oracle(fp8_e
         assert result.tokens == greedy, fields
 
 
-def test_the_triton_kernels_refuse_an_fp8_cache_at_start(monkeypatch):
-    """They do not read one yet: the engine must not start on it (where CUDA runs them)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(NotImplementedError, match="fp8_e5m2: the Triton kernels"):
-        RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "fp8_e5m2")
-    RopeExtendAttentionImpl(KV * QUERIES_PER_KV, D, D**-0.5, KV, None, None, "auto")
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_triton_kernels_serve_an_fp8_cache_through_the_impl(name):
+    """The impl on the Triton path (a KernelPlan; Triton's interpreter here): it writes the step's
+    keys and values by the layer's scales, rounded to nearest, then prefill and decode read them
+    back against the oracle on the cache's values."""
+    from tests.ops.test_gpu import MIXED_ROWS
+
+    step, cache, oracle = fp8_step(name, paged_step(MIXED_ROWS, seed=3, head=64, kv=2, queries_per_kv=3, block=16),
+                                   quantized=nearest_fp8)
+    plan = kernel_plan(step.tables, query_start_cpu=step.starts, query_start=step.starts.to(torch.int32),
+                       seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
+                       block_table=step.block_table.to(torch.int32), slot_mapping=step.slots, query_tile=16)
+    impl = RopeExtendAttentionImpl(6, 64, 64**-0.5, 2, None, None, name)
+    layer = SimpleNamespace(_k_scale_float=SCALES.key, _v_scale_float=SCALES.value)
+    written, output = cache.clone(), torch.full_like(step.query, float("nan"))
+    written.view(-1, 128)[:] = 0  # every slot: the step's own keys and values must come from the write
+    for r, (_, context, _) in enumerate(step.rows):  # the tokens before this step, as the cache held them
+        position = torch.arange(context)
+        slot = step.block_table[r, position // 16], position % 16
+        written[slot[0], :, slot[1]] = cache[slot[0], :, slot[1]]
+    impl.forward(layer, step.query, step.key, step.value, written, plan, output)
+    assert torch.equal(written, cache), "the write must put the step's keys and values where the cache had them"
+    torch.testing.assert_close(output.double(), oracle.expected().double(), rtol=0, atol=2e-5)

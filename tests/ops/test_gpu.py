@@ -19,6 +19,7 @@ import torch
 from rope_plugins.attention.planner import DECODE_KEY_TILE, kernel_plan
 from rope_plugins.ops import gpu
 from rope_plugins.rules.settings import METHOD_NAMES, ExtensionSettings
+from rope_plugins.testing.paged_steps import nearest_fp8
 from tests.attention.test_attention import TRAIN, paged_step
 
 WINDOWED = {"rerope": dict(window=37), "leaky_rerope": dict(window=20, leaky_k=4.0),
@@ -64,7 +65,9 @@ MIXED_ROWS = [
 ]
 
 
-def run_kernels(step, *, query_tile=16, min_split_keys=DECODE_KEY_TILE, decode_launch=None) -> torch.Tensor:
+def run_kernels(step, *, query_tile=16, min_split_keys=DECODE_KEY_TILE, decode_launch=None, cache=None,
+                scales=None) -> torch.Tensor:
+    """The step through prefill and decode (on ``cache`` where given: an fp8 one, with its ``scales``)."""
     plan = kernel_plan(step.tables, query_start_cpu=step.starts, query_start=step.starts.to(torch.int32),
                        seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
                        block_table=step.block_table.to(torch.int32), slot_mapping=step.slots, query_tile=query_tile,
@@ -72,8 +75,10 @@ def run_kernels(step, *, query_tile=16, min_split_keys=DECODE_KEY_TILE, decode_l
     output = torch.full_like(step.query, float("nan"))
     head = step.query.shape[-1]
     scale = head**-0.5
-    gpu.prefill(step.query, step.cache, plan, output, scale=scale)
-    gpu.decode(step.query, step.cache, plan, output, scale=scale, **(decode_launch or {}))
+    cache, scaled = (step.cache if cache is None else cache), {} if scales is None else dict(
+        key_scale=scales.key, value_scale=scales.value)
+    gpu.prefill(step.query, cache, plan, output, scale=scale, **scaled)
+    gpu.decode(step.query, cache, plan, output, scale=scale, **(decode_launch or {}), **scaled)
     return output
 
 
@@ -133,21 +138,68 @@ def test_cache_write_skips_padded_slots():
     assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_fp8_cache_write_rounds_to_nearest_and_saturates_bit_for_bit(name):
+    """Every magnitude from far below fp8's subnormals to past its largest value, each format's own
+    values and the midpoints between them (ties to even), both zeros: the kernel stores what
+    PyTorch's conversion to fp8 (round to nearest even) stores of the value saturated and divided
+    by its scale, as vLLM's CUDA cache writes fp8."""
+    from tests.ops.test_fp8_cache import FORMATS, SCALES
+
+    fp8 = FORMATS[name]
+    generator = torch.Generator().manual_seed(5)
+    held = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    held = held[held.isfinite()].unique()
+    values = torch.cat((torch.randn(4000, generator=generator) * torch.randint(-24, 20, (4000,),
+                                                                                 generator=generator).float().exp2(),
+                        held, (held[:-1] + held[1:]) / 2, torch.tensor([1e9, -1e9, 0.0, -0.0])))
+    values = values[: values.numel() // 64 * 64].reshape(-1, 1, 64)
+    tokens = values.shape[0]
+    cache = torch.zeros(-(-tokens // 16), 1, 16, 128, dtype=fp8)
+    gpu.write_cache(values * SCALES.key, values * SCALES.value, cache, torch.arange(tokens), key_scale=SCALES.key,
+                    value_scale=SCALES.value)
+    written = cache.transpose(1, 2).reshape(-1, 1, 128)[:tokens]
+    for half, scale in ((written[..., :64], SCALES.key), (written[..., 64:], SCALES.value)):
+        expected = nearest_fp8(values * scale, scale, fp8)
+        assert torch.equal(half.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("fp8_e4m3", torch.float32), ("fp8_e5m2", torch.float32),
+                                             ("fp8_e4m3", torch.float16)], ids=["e4m3-fp32", "e5m2-fp32", "e4m3-fp16"])
+def test_every_method_on_an_fp8_cache_matches_the_oracle_on_its_values(name, dtype):
+    """Prefill and decode rows of every method on a cache of fp8 keys and values (divided by
+    scales that are no power of two): the oracle run on the values that cache holds, to the
+    model dtype's tolerance. The kernels widen fp8 exactly and fold the scales into the softmax
+    scale and the output, which moves only float32 roundings."""
+    from tests.ops.test_fp8_cache import FORMATS, SCALES, fp8_step
+
+    step, cache, oracle = fp8_step(name, paged_step(MIXED_ROWS, seed=3, head=64, kv=2, queries_per_kv=3, block=16,
+                                                    dtype=dtype))
+    output = run_kernels(step, cache=cache.view(FORMATS[name]), scales=SCALES)
+    torch.testing.assert_close(output.double(), oracle.expected().double(), rtol=0, atol=TOLERANCE[dtype])
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow  # about a minute: Triton's compiler and ptxas, twice per kernel and dtype
 def test_every_kernel_compiles_for_a_gpu():
     """The interpreter runs code a GPU compile refuses; here each kernel, as the wrappers launch
-    it in float32, float16 and bfloat16, goes through Triton's compiler and ptxas for Hopper and Ampere."""
+    it in float32, float16 and bfloat16, goes through Triton's compiler and ptxas for Hopper and
+    Ampere, and on fp8 caches (e4m3 under bfloat16, e5m2 under float16) for Hopper."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.ops.compile_kernels", "sm_90", "sm_80"], cwd=ROOT,
                             env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    compiled = {tuple(line.split()[:3]) for line in result.stdout.splitlines()}
+    lines = {tuple(line.split()[:3]): line for line in result.stdout.splitlines()}
     kernels = {"write_cache_kernel", "prefill_kernel", "decode_split_kernel", "decode_reduce_kernel"}
-    assert compiled == {(kernel, dtype, target) for kernel in kernels for dtype in ("float32", "float16", "bfloat16")
-                        for target in ("sm_90:", "sm_80:")}
+    fp8 = {(kernel, dtype, "sm_90:") for kernel in kernels - {"decode_reduce_kernel"}
+           for dtype in ("bfloat16/fp8_e4m3", "float16/fp8_e5m2")}
+    assert set(lines) == fp8 | {(kernel, dtype, target) for kernel in kernels
+                                for dtype in ("float32", "float16", "bfloat16") for target in ("sm_90:", "sm_80:")}
+    # the fp8 write divides by the scale as IEEE does (vLLM's CUDA write); a GPU's plain division is approximate
+    assert all(lines[("write_cache_kernel", dtype, "sm_90:")].endswith(" 0 approximate divisions")
+               for _, dtype, _ in fp8)
 
 
 PARAMETER_GROUPS = ["outputs", "inputs", "the paged cache", "the step's rows", "the row rule", "strides",
