@@ -35,6 +35,25 @@ def test_cached_medians_and_ratios_follow_the_samples_and_the_targets_are_read()
     assert table.endswith("not met by leaky_rerope at 16k (1.16x).")
 
 
+def test_an_fp8_run_reads_both_its_targets_against_stock_and_its_own_auto_cache():
+    """With an fp8 cache each method is also timed on the plugin's cache of the model's dtype:
+    at most 1.0x stock's fp8 and 0.8x its own auto cache (issue 54)."""
+    fp8 = {"stock": 0.050, "rerope": 0.039, "leaky_rerope": 0.052, "ntk_mixed": 0.041}
+    auto = {"rerope": 0.050, "leaky_rerope": 0.070, "ntk_mixed": 0.045}
+    samples = {**{c: {"16384": [t]} for c, t in fp8.items()},
+               **{c + speed.AUTO_CACHE: {"16384": [t]} for c, t in auto.items()}}
+    head = {"machine": "test", "model": "m", "dtype": "bfloat16", "kv_cache_dtype": "fp8", "reps": 1,
+            "decode_tokens": 64, "lengths": [16384]}
+    report = speed.cached_summary(samples, head)
+    assert set(report["ratio_to_auto_cache"]) == {"rerope", "leaky_rerope", "ntk_mixed"}
+    assert abs(report["ratio_to_auto_cache"]["ntk_mixed"]["16384"] - 0.041 / 0.045) < 1e-9
+    table = speed.cached_markdown(report)
+    assert "| 16k | rerope | 39.0 | 0.78 | 0.78 |" in table and "| 16k | rerope@auto-cache | 50.0 | 1.00 | - |" in table
+    stock_line, own_line = table.splitlines()[-2:]
+    assert stock_line.endswith("not met by leaky_rerope at 16k (1.04x).")
+    assert own_line.endswith("not met by ntk_mixed at 16k (0.91x).")  # rerope (0.78x) and leaky_rerope (0.74x) meet it
+
+
 def test_cached_runs_take_their_own_defaults_and_results_file():
     cached, fresh = speed.parse_args(["--cached", "--dtype", "bfloat16"]), speed.parse_args([])
     assert (cached.lengths, cached.reps, cached.decode_tokens, cached.scaling_lengths) == ([16384, 32768], 7, 64, [])
