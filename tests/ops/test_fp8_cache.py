@@ -202,3 +202,31 @@ def test_the_triton_kernels_serve_an_fp8_cache_through_the_impl(name):
     impl.forward(layer, step.query, step.key, step.value, written, plan, output)
     assert torch.equal(written, cache), "the write must put the step's keys and values where the cache had them"
     torch.testing.assert_close(output.double(), oracle.expected().double(), rtol=0, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_at_the_same_cache_bytes_only_fp8_holds_the_served_maximum(tiny_llama_dir, engine_defaults, capfd):
+    """Issue 54's memory: at a --kv-cache-memory that holds three quarters of the served maximum
+    in bfloat16, the fp8 cache holds one and a half times it, and answers a prompt as long as
+    the maximum allows, while vLLM refuses to start the engine whose cache holds bfloat16."""
+    from transformers import AutoConfig
+
+    from tests.conftest import MAX_MODEL_LEN, running_engine
+    from tests.frontend.test_engine_args import prompt, run
+
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    head = config.hidden_size // config.num_attention_heads
+    bfloat16_per_token = config.num_hidden_layers * config.num_key_value_heads * head * 2 * 2  # K and V, 2 bytes
+    memory = bfloat16_per_token * MAX_MODEL_LEN * 3 // 4
+    engine = dict(dtype="bfloat16", kv_cache_memory_bytes=memory)
+    with running_engine(tiny_llama_dir, kv_cache_dtype="fp8_e4m3", **engine) as llm:
+        cache = llm.llm_engine.vllm_config.cache_config
+        assert cache.num_gpu_blocks * cache.block_size >= 2 * (memory // bfloat16_per_token) - cache.block_size
+        (answer,) = run(llm, [(prompt(5, MAX_MODEL_LEN - 8), {"method": "rerope"})], engine_defaults, max_tokens=8,
+                        prompt_logprobs=False)
+        assert len(answer.tokens) == 8
+    capfd.readouterr()
+    with pytest.raises(RuntimeError, match="Engine core initialization failed"), running_engine(
+            tiny_llama_dir, in_process=False, **engine):
+        pass
+    assert "larger than the available KV cache memory" in capfd.readouterr().err
