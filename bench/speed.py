@@ -166,7 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     run.engines.warm_up()
     if args.cached:
-        print(cached_markdown(measure_cached(run.engines, args, run.head())))
+        engines = {"stock": run.engines.stock, "plugin": run.engines.plugin,
+                   "plugin_auto_cache": run.engines.plugin_auto_cache}
+        head = {**run.head(), "kv_bytes_per_token": {name: kv_bytes_per_token(llm) for name, llm in engines.items()
+                                                     if llm is not None}}
+        print(cached_markdown(measure_cached(run.engines, args, head)))
         return
     run.measure_batch(rng)
     run.measure_lengths(rng)
