@@ -89,6 +89,9 @@ let countTimer = null;
 
 function scheduleCount() {
   clearTimeout(countTimer);
+  // until the new text is counted, the count shown is the old text's: say it is pending
+  $("#doc-count").textContent = "counting…";
+  delete $("#doc-count").dataset.tokens;
   countTimer = setTimeout(countTokens, COUNT_DELAY_MS);
 }
 
