@@ -27,6 +27,7 @@ RENDERERS = {
     "speed_bfloat16": ("bench.speed", "markdown"),
     "speed_bfloat16_amx_rounded": ("bench.speed", "markdown"),
     "tpot_bfloat16_rounded": ("bench.speed", "cached_markdown"),
+    "tpot_bfloat16_fp8": ("bench.speed", "cached_markdown"),
     "attention_kernels": ("bench.attention_kernels", "markdown"),
     "llama_cpp_speed": ("bench.llama_cpp_speed", "markdown"),
     "eval": ("bench.quality", "markdown"),
