@@ -522,13 +522,9 @@ def decode_reduce_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-# each fp8 cache format's mantissa bits and least normal exponent (fp8_rounded)
-FP8_FORMATS = {torch.float8_e4m3fn: dict(MANTISSA=3, LEAST_EXPONENT=-6),
-               torch.float8_e5m2: dict(MANTISSA=2, LEAST_EXPONENT=-14)}
-
-
-def is_fp8(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.dtype in FP8_FORMATS
+# each fp8 cache format's grid for fp8_rounded: its mantissa bits and least normal exponent
+FP8_GRIDS = {torch.float8_e4m3fn: dict(MANTISSA=3, LEAST_EXPONENT=-6),
+             torch.float8_e5m2: dict(MANTISSA=2, LEAST_EXPONENT=-14)}
 
 
 def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
@@ -540,10 +536,11 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, 
     tokens, kv_heads, head = key.shape
     if tokens == 0:
         return
+    grid = FP8_GRIDS.get(kv_cache.dtype)  # None: the cache holds the model's dtype, stored as it is
     write_cache_kernel[(tokens, kv_heads)](
         cache_ptr=kv_cache, key_ptr=key, value_ptr=value, slot_ptr=slot_mapping, key_scale=key_scale,
-        value_scale=value_scale, largest=torch.finfo(kv_cache.dtype).max if is_fp8(kv_cache) else 0.0,
-        QUANTIZE=is_fp8(kv_cache), **FP8_FORMATS.get(kv_cache.dtype, FP8_FORMATS[torch.float8_e4m3fn]),
+        value_scale=value_scale, largest=torch.finfo(kv_cache.dtype).max if grid else 0.0, QUANTIZE=grid is not None,
+        **(grid or dict(MANTISSA=0, LEAST_EXPONENT=0)),
         stride_cb=kv_cache.stride(0), stride_ch=kv_cache.stride(1), stride_cs=kv_cache.stride(2),
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
         BLOCK_SIZE=kv_cache.shape[2], HEAD=head, HEAD_PAD=triton.next_power_of_2(head))
