@@ -25,7 +25,10 @@ from bench import harness
 RESULTS = harness.RESULTS
 QUERY_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
 SCALE = HEAD_DIM ** -0.5
+REROPE_WINDOW = 1024
 CASES = [(0, 4096), (0, 8192), (8192, 8192), (24576, 8192)]  # (context, chunk)
+DECODE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 2048)]  # (rows, keys per row)
+DECODE_CALLS = 20  # calls per timing (one call is milliseconds)
 
 
 def vllm_isa(dtype: torch.dtype) -> str:
@@ -40,105 +43,24 @@ def vllm_isa(dtype: torch.dtype) -> str:
     return isa
 
 
-def vllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
-    from vllm import _custom_ops as ops
-    chunk, seq = query.shape[0], key.shape[0]
-    isa = vllm_isa(query.dtype)
-    blocks = -(-seq // BLOCK)
-    key_cache, value_cache = torch.empty(blocks, KV_HEADS, 2 * BLOCK, HEAD_DIM, dtype=key.dtype).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(seq), isa)
-    starts, lengths = torch.tensor([0, chunk], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32)
-    schedule = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=QUERY_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=lengths,
-        dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-    out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(
-        query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
-        seq_lens=lengths, scale=SCALE, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=schedule, s_aux=None)
-    return out
-
-
-def heads_first(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:
-    """``[L, H, d]`` to ``[1, H * repeat, L, d]``, each KV head repeated for its query heads."""
-    x = x.transpose(0, 1)[None]
-    return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
-
-
-def torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
-    """PyTorch's fused CPU flash attention (with its log-sum-exp), as a PyTorch prefill would call it."""
-    from rope_plugins.testing.merge import merge_partials
-
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    queries_per_kv = QUERY_HEADS // KV_HEADS
-    q = heads_first(query)
-    parts = [flash(q, heads_first(key[context:], queries_per_kv), heads_first(value[context:], queries_per_kv), 0.0,
-                   True, scale=SCALE)]
-    if context:
-        parts.append(flash(q, heads_first(key[:context], queries_per_kv), heads_first(value[:context], queries_per_kv),
-                           0.0, False, scale=SCALE))
-    return merge_partials(*zip(*parts))[0][0].transpose(0, 1)
-
-
-REROPE_WINDOW = 1024
-
-
-def paged(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Keys and values ``[S, kv, d]`` (one sequence) in the plugin's cache ``[blocks, kv, bs, 2d]``, blocks in order."""
-    seq = key.shape[0]
-    blocks = -(-seq // BLOCK)
-    cache = torch.zeros(blocks * BLOCK, KV_HEADS, 2 * HEAD_DIM, dtype=key.dtype)
-    cache[:seq] = torch.cat((key, value), dim=-1)
-    return cache.view(blocks, BLOCK, KV_HEADS, 2 * HEAD_DIM).transpose(1, 2).contiguous()
-
-
-def plugin_attention(window: int, matrix_tiles: bool | None = None, rounded_once: bool = False):
-    """The plugin's one-pass prefill as the attention calls it (rope_plugins.ops.cpu.prefill_kernel:
-    keys and values read out of the paged cache, then the kernel), with identity rotations (so its
-    answer is plain causal attention); the cache is written outside the timing. ``matrix_tiles``
-    False keeps a 16-bit cache on the float32 micro-kernel where the CPU has AMX tiles;
-    ``rounded_once``: attention_precision bfloat16 (the tiles' operands rounded once)."""
-    from rope_plugins.attention.planner import PrefillRow, QueryPlan, Rotation
-    from rope_plugins.ops import cpu
-
-    caches = {}
-
-    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int) -> torch.Tensor:
-        chunk, seq, half = query.shape[0], key.shape[0], HEAD_DIM // 2
-        if (seq, key.data_ptr()) not in caches:
-            caches[seq, key.data_ptr()] = paged(key, value)
-        cache = caches[seq, key.data_ptr()]
-        identity = lambda n: Rotation(cos=torch.ones(n, 1, half), sin=torch.zeros(n, 1, half))  # noqa: E731
-        band_start = max(0, context - window + 1) if window else 0
-        windows = torch.full((chunk,), window, dtype=torch.int64)
-        near_from = context + torch.arange(chunk) - windows + 1
-        row = PrefillRow(tokens=slice(0, chunk), context=context, seq_len=seq, row=0, near_from=near_from,
-                         far_keys=None, band_start=band_start, band_keys=identity(seq - band_start) if window else None)
-        queries = QueryPlan(scale=torch.ones(chunk), near=identity(chunk), far=identity(chunk), window=windows)
-        return cpu.prefill_kernel(query, queries, cache, torch.arange(cache.shape[0]), row, scale=SCALE,
-                                  matrix_tiles=matrix_tiles, rounded_once=rounded_once)
-
-    return run
-
-
-def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-    """vLLM's kernel as stock vLLM's decode step calls it: one query per row, KV split on.
-    query ``[R, H, d]``, key / value ``[R, S, kv, d]`` (every row ``S`` keys). Returns a
-    function of no arguments that runs the kernel (the cache is written once, outside the timing)."""
+def vllm_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_split: bool):
+    """vLLM's kernel as stock vLLM calls it: key / value ``[R, S, kv, d]`` (every row ``S`` keys)
+    written into its cache and the schedule made, then a function of no arguments that runs it on
+    query ``[R * n, H, d]`` (each row's last ``n`` tokens, causal)."""
     from vllm import _custom_ops as ops
     rows, seq = key.shape[:2]
     isa = vllm_isa(query.dtype)
     per_row = -(-seq // BLOCK)
     key_cache, value_cache = torch.empty(rows * per_row, KV_HEADS, 2 * BLOCK, HEAD_DIM, dtype=key.dtype).chunk(2, dim=2)
-    block_table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
-    slots = (block_table[:, :, None] * BLOCK + torch.arange(BLOCK, dtype=torch.int32)).flatten(1)[:, :seq]
-    ops.cpu_attn_reshape_and_cache(key.flatten(0, 1), value.flatten(0, 1), key_cache, value_cache,
-                                   slots.flatten().long(), isa)
-    starts = torch.arange(rows + 1, dtype=torch.int32)
+    slots = torch.arange(rows * per_row * BLOCK).view(rows, -1)[:, :seq].flatten()
+    ops.cpu_attn_reshape_and_cache(key.flatten(0, 1), value.flatten(0, 1), key_cache, value_cache, slots, isa)
+    starts = torch.arange(rows + 1, dtype=torch.int32) * (query.shape[0] // rows)
     lengths = torch.full((rows,), seq, dtype=torch.int32)
     schedule = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=rows, num_heads=QUERY_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=lengths,
-        dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=kv_split)
+    block_table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
     out = torch.empty_like(query)
 
     def run() -> torch.Tensor:
@@ -151,6 +73,69 @@ def vllm_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     return run
 
 
+def vllm_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int):
+    """vLLM's kernel on one chunk, its cache written and schedule made in every timed call."""
+    return lambda: vllm_kernel(query, key[None], value[None], kv_split=False)()
+
+
+def torch_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int):
+    """PyTorch's fused CPU flash attention (with its log-sum-exp), as a PyTorch prefill would call it."""
+    from rope_plugins.testing.merge import merge_partials
+
+    flash = partial(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, scale=SCALE)
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [L, kv, d] to [1, H, L, d], each KV head for its queries
+        return x.transpose(0, 1)[None].repeat_interleave(QUERY_HEADS // KV_HEADS, dim=1)
+
+    def run() -> torch.Tensor:
+        q = query.transpose(0, 1)[None]
+        parts = [flash(q, heads_first(key[context:]), heads_first(value[context:]), 0.0, True)]
+        if context:
+            parts.append(flash(q, heads_first(key[:context]), heads_first(value[:context]), 0.0, False))
+        return merge_partials(*zip(*parts))[0][0].transpose(0, 1)
+
+    return run
+
+
+def paged(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Rows of keys and values ``[R, S, kv, d]`` in the plugin's cache ``[blocks, kv, bs, 2d]``, blocks in order."""
+    rows, seq = key.shape[:2]
+    per_row = -(-seq // BLOCK)
+    cache = torch.zeros(rows, per_row * BLOCK, KV_HEADS, 2 * HEAD_DIM, dtype=key.dtype)
+    cache[:, :seq] = torch.cat((key, value), dim=-1)
+    return cache.view(rows * per_row, BLOCK, KV_HEADS, 2 * HEAD_DIM).transpose(1, 2).contiguous()
+
+
+def plugin_prefill(window: int, matrix_tiles: bool | None = None, rounded_once: bool = False):
+    """The plugin's one-pass prefill as the attention calls it (rope_plugins.ops.cpu.prefill_kernel:
+    keys and values read out of the paged cache, then the kernel), with identity rotations (so its
+    answer is plain causal attention); the cache is written outside the timing. ``matrix_tiles``
+    False keeps a 16-bit cache on the float32 micro-kernel where the CPU has AMX tiles;
+    ``rounded_once``: attention_precision bfloat16 (the tiles' operands rounded once)."""
+    from rope_plugins.attention.planner import PrefillRow, QueryPlan, Rotation
+    from rope_plugins.ops import cpu
+
+    def prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: int):
+        chunk, seq, half = query.shape[0], key.shape[0], HEAD_DIM // 2
+        cache = paged(key[None], value[None])
+
+        def run() -> torch.Tensor:
+            identity = lambda n: Rotation(cos=torch.ones(n, 1, half), sin=torch.zeros(n, 1, half))  # noqa: E731
+            band_start = max(0, context - window + 1) if window else 0
+            windows = torch.full((chunk,), window, dtype=torch.int64)
+            near_from = context + torch.arange(chunk) - windows + 1
+            row = PrefillRow(tokens=slice(0, chunk), context=context, seq_len=seq, row=0, near_from=near_from,
+                             far_keys=None, band_start=band_start,
+                             band_keys=identity(seq - band_start) if window else None)
+            queries = QueryPlan(scale=torch.ones(chunk), near=identity(chunk), far=identity(chunk), window=windows)
+            return cpu.prefill_kernel(query, queries, cache, torch.arange(cache.shape[0]), row, scale=SCALE,
+                                      matrix_tiles=matrix_tiles, rounded_once=rounded_once)
+
+        return run
+
+    return prepare
+
+
 def plugin_decode(window: int, far_rule: bool, rounded_once: bool = False):
     """The plugin's C++ decode on its own cache layout ``[blocks, kv, bs, 2d]``, with identity
     rotations (its answer is plain attention) but the work of a ``window``-token band and, with
@@ -161,18 +146,14 @@ def plugin_decode(window: int, far_rule: bool, rounded_once: bool = False):
 
     def prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         rows, seq = key.shape[:2]
-        half, per_row = HEAD_DIM // 2, -(-seq // BLOCK)
-        cache = torch.zeros(rows * per_row, BLOCK, KV_HEADS, 2 * HEAD_DIM, dtype=key.dtype)
-        cache.view(rows, per_row * BLOCK, KV_HEADS, 2 * HEAD_DIM)[:, :seq] = torch.cat((key, value), dim=-1)
-        cache = cache.transpose(1, 2).contiguous()
-        table = torch.arange(rows * per_row)
+        half, per_row, step = HEAD_DIM // 2, -(-seq // BLOCK), DECODE_FAR_STEP
+        cache = paged(key, value)
         ones = lambda *shape: torch.ones(*shape, half)  # noqa: E731
         zeros = lambda *shape: torch.zeros(*shape, half)  # noqa: E731
-        step = DECODE_FAR_STEP
         lengths = torch.full((rows,), seq, dtype=torch.int64)
         inputs = native.decode_inputs(  # once per step, as the plugin packs them
             query_scale=torch.ones(rows), query_cos=ones(rows, 2), query_sin=zeros(rows, 2),
-            block_table=table.view(rows, per_row), seq_lens=lengths,
+            block_table=torch.arange(rows * per_row).view(rows, per_row), seq_lens=lengths,
             window=torch.full((rows,), window, dtype=torch.int64), band_start=(lengths - window).clamp(min=0),
             near_cos=ones(rows, window), near_sin=zeros(rows, window), far_step_cos=ones(1, -(-seq // step)),
             far_step_sin=zeros(1, -(-seq // step)), far_offset_cos=ones(1, step), far_offset_sin=zeros(1, step),
@@ -185,26 +166,10 @@ def plugin_decode(window: int, far_rule: bool, rounded_once: bool = False):
     return prepare
 
 
-KERNELS = {"vllm": vllm_attention, "torch_flash": torch_attention, "plugin_far": plugin_attention(0),
-           f"plugin_window_{REROPE_WINDOW}": plugin_attention(REROPE_WINDOW)}
-# a 16-bit cache on a CPU with AMX: the plugin's prefill also without its matrix tiles, and with
-# their operands rounded once (attention_precision bfloat16)
-WITHOUT_TILES = {"plugin_far_float32_kernel": plugin_attention(0, matrix_tiles=False)}
-ROUNDED_ONCE = {"plugin_far_rounded_once": plugin_attention(0, rounded_once=True)}
-
-
-DECODE_KERNELS = {"vllm": vllm_decode, "plugin_rerope": plugin_decode(REROPE_WINDOW, False),
-                  "plugin_leaky": plugin_decode(REROPE_WINDOW, True), "plugin_far_rule": plugin_decode(0, True)}
-# a bfloat16 cache: ReRoPE's raw keys against queries rounded once too
-DECODE_ROUNDED_ONCE = {"plugin_rerope_rounded_once": plugin_decode(REROPE_WINDOW, False, rounded_once=True)}
-DECODE_CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 2048)]  # (rows, keys per row)
-DECODE_CALLS = 20  # calls per timing (one call is milliseconds)
-
-
-def compared(runs: dict, reps: int, calls: int = 1) -> dict:
+def compare(case: str, runs: dict, reps: int, calls: int = 1) -> dict:
     """Each of ``runs`` (functions of no arguments) timed ``calls`` calls per sample, interleaved,
     after an untimed first call (allocation, caches): medians, samples, each as a multiple of
-    vLLM's, and the largest difference of any output from vLLM's."""
+    vLLM's, and the largest difference of any output from vLLM's; said on one line."""
     outputs = {name: run() for name, run in runs.items()}
     times = {name: [] for name in runs}
     for _ in range(reps):
@@ -214,46 +179,50 @@ def compared(runs: dict, reps: int, calls: int = 1) -> dict:
                 run()
             times[name].append((time.perf_counter() - began) / calls)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"seconds": medians, "samples": times, "over_vllm": {name: medians[name] / medians["vllm"] for name in runs},
-            "max_abs_difference": max(float((outputs["vllm"] - out).float().abs().max()) for out in outputs.values())}
+    over_vllm = {name: medians[name] / medians["vllm"] for name in runs}
+    difference = max(float((outputs["vllm"] - out).float().abs().max()) for out in outputs.values())
+    print(f"{case}: vLLM {medians['vllm'] * 1e3:.2f} ms; x vLLM: "
+          + ", ".join(f"{name} {ratio:.2f}" for name, ratio in over_vllm.items() if name != "vllm")
+          + f"; max |difference| {difference:.1e}", flush=True)
+    return {"seconds": medians, "samples": times, "over_vllm": over_vllm, "max_abs_difference": difference}
 
 
-def said(case: str, row: dict) -> None:
-    print(f"{case}: vLLM {row['seconds']['vllm'] * 1e3:.2f} ms; x vLLM: "
-          + ", ".join(f"{name} {ratio:.2f}" for name, ratio in row["over_vllm"].items() if name != "vllm")
-          + f"; max |difference| {row['max_abs_difference']:.1e}", flush=True)
-
-
-def time_decode(reps: int, dtype: torch.dtype = torch.float32) -> list[dict]:
+def time_decode(reps: int, dtype: torch.dtype) -> list[dict]:
     """Each decode kernel on the same rows, ``DECODE_CALLS`` calls per sample, interleaved."""
+    kernels = {"vllm": partial(vllm_kernel, kv_split=True), "plugin_rerope": plugin_decode(REROPE_WINDOW, False),
+               "plugin_leaky": plugin_decode(REROPE_WINDOW, True), "plugin_far_rule": plugin_decode(0, True)}
+    if dtype == torch.bfloat16:  # ReRoPE's raw keys against queries rounded once too
+        kernels["plugin_rerope_rounded_once"] = plugin_decode(REROPE_WINDOW, False, rounded_once=True)
     rows = []
     for batch, seq in DECODE_CASES:
         query = torch.randn(batch, QUERY_HEADS, HEAD_DIM).to(dtype)
         key, value = torch.randn(2, batch, seq, KV_HEADS, HEAD_DIM).to(dtype)
-        kernels = {**DECODE_KERNELS, **(DECODE_ROUNDED_ONCE if dtype == torch.bfloat16 else {})}
-        row = {"rows": batch, "keys": seq, **compared({name: prepare(query, key, value)
-                                                       for name, prepare in kernels.items()}, reps, DECODE_CALLS)}
+        runs = {name: prepare(query, key, value) for name, prepare in kernels.items()}
+        row = {"rows": batch, "keys": seq, **compare(f"decode {batch} x {seq:6,} keys", runs, reps, DECODE_CALLS)}
         cache_bytes = batch * seq * KV_HEADS * 2 * HEAD_DIM * 4
         row["cache_gb_per_second"] = {name: cache_bytes / seconds / 1e9 for name, seconds in row["seconds"].items()}
         rows.append(row)
-        said(f"decode {batch} x {seq:6,} keys", row)
     return rows
 
 
 def time_prefill(reps: int, dtype: torch.dtype) -> list[dict]:
-    """Each prefill kernel on the same chunks (CASES), interleaved."""
+    """Each prefill kernel on the same chunks (CASES), interleaved. On a 16-bit cache where the CPU
+    has AMX tiles, the plugin's prefill also without them and (bfloat16) with their operands rounded once."""
     from rope_plugins.ops import native
 
-    tiles = dtype != torch.float32 and native.matrix_tiles_ready()
-    kernels = {**KERNELS, **(WITHOUT_TILES if tiles else {}),
-               **(ROUNDED_ONCE if dtype == torch.bfloat16 and tiles else {})}
+    kernels = {"vllm": vllm_prefill, "torch_flash": torch_prefill, "plugin_far": plugin_prefill(0),
+               f"plugin_window_{REROPE_WINDOW}": plugin_prefill(REROPE_WINDOW)}
+    if dtype != torch.float32 and native.matrix_tiles_ready():
+        kernels["plugin_far_float32_kernel"] = plugin_prefill(0, matrix_tiles=False)
+        if dtype == torch.bfloat16:
+            kernels["plugin_far_rounded_once"] = plugin_prefill(0, rounded_once=True)
     rows = []
     for context, chunk in CASES:
         query = torch.randn(chunk, QUERY_HEADS, HEAD_DIM).to(dtype)
         key, value = torch.randn(2, context + chunk, KV_HEADS, HEAD_DIM).to(dtype)
-        runs = {name: partial(kernel, query, key, value, context) for name, kernel in kernels.items()}
-        rows.append({"context": context, "chunk": chunk, **compared(runs, reps)})
-        said(f"context {context:6,} chunk {chunk:6,}", rows[-1])
+        runs = {name: prepare(query, key, value, context) for name, prepare in kernels.items()}
+        rows.append({"context": context, "chunk": chunk,
+                     **compare(f"context {context:6,} chunk {chunk:6,}", runs, reps)})
     return rows
 
 
@@ -295,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / f"attention_kernels{'' if args.dtype == 'float32' else '_' + args.dtype}.json"
     torch.manual_seed(0)
     decode_rows = time_decode(max(args.reps, 5), dtype)
-    report = {"date": harness.now(), "machine": harness.machine(), "torch_threads": torch.get_num_threads(),
-              "reps": args.reps, "dtype": args.dtype, "rows": time_prefill(args.reps, dtype), "decode": decode_rows}
-    harness.write_json(report, out)
-    print(f"wrote {out}")
+    rows = time_prefill(args.reps, dtype)
+    report = harness.header(torch_threads=torch.get_num_threads(), reps=args.reps, dtype=args.dtype, rows=rows,
+                            decode=decode_rows)
+    print(f"wrote {harness.write_json(report, out)}")
     return 0

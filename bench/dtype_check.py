@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench dtype                      # every provisioned model
     .venv/bin/python -m bench dtype --stock-at 16384     # stock vLLM's own bfloat16 drift past training
+    .venv/bin/python -m bench dtype --fp8 bench/results  # each setting's fp8 drift (after the quality runs)
 
 Per model, dtype and engine (stock, the plugin's ``none``): the loss of 2k tokens of real text
 and the greedy answer to a question (a chat, or a text to complete for Gemma-3-270M, a base
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from bench import harness
+from bench.speed import PluginLLM
 
 RESULTS = harness.RESULTS
 DTYPES = ("float32", "bfloat16")
@@ -38,48 +40,29 @@ def real_text_ids(tokenizer, count: int = TEXT_TOKENS) -> list[int]:
     return tokenizer(load_corpus("pydoc")[: count * 8]).input_ids[:count]
 
 
-def scored_and_answered(directory: Path, plugin: bool, prompts: list[dict], params: list, *,
-                        stock_overrides: dict | None = None, precision: str | None = None, **common) -> list:
-    """The outputs of stock vLLM (``stock_overrides`` its hf_overrides) or of the plugin, whose
-    requests ask for ``none`` (its default rerope only lets it serve past training); the engine is
-    shut down after."""
-    from vllm import LLM
+def loss_and_answer(directory: Path, plugin: bool, ids: list[int], scored: int, question_ids: list[int] | None = None,
+                    *, stock_overrides: dict | None = None, precision: str | None = None, **common) -> tuple:
+    """The mean NLL of the last ``scored`` tokens of ``ids`` and the greedy answer to
+    ``question_ids`` (None without), on stock vLLM (``stock_overrides`` its hf_overrides) or on
+    the plugin, whose requests ask for ``none`` (its default rerope only lets it serve past
+    training); the engine is shut down after."""
+    from vllm import LLM, SamplingParams
 
-    from rope_plugins.frontend.engine_args import engine_kwargs, extension_request
-    from rope_plugins.rules.settings import engine_defaults, parse_settings
-
+    prompts = [{"prompt_token_ids": p} for p in (ids, question_ids) if p is not None]
+    params = [SamplingParams(max_tokens=1, prompt_logprobs=0), SamplingParams(max_tokens=64, temperature=0.0)]
+    params = params[:len(prompts)]
     if plugin:
-        llm = LLM(**engine_kwargs(str(directory), defaults={"method": "rerope"}, attention_precision=precision,
-                                  **common))
-        none = parse_settings({"method": "none"}, engine_defaults(llm.llm_engine.vllm_config.model_config.hf_config))
-        prompts, params = zip(*(extension_request(p, sp, none) for p, sp in zip(prompts, params)))
+        engine = PluginLLM(str(directory), attention_precision=precision, **common)
+        llm, (prompts, params) = engine.llm, engine.requests(prompts, params, [{"method": "none"}] * len(prompts))
     else:
         llm = LLM(model=str(directory), **({"hf_overrides": stock_overrides} if stock_overrides else {}), **common)
     try:
-        return llm.generate(list(prompts), list(params), use_tqdm=False)
+        scoring, *answer = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
-
-
-def measure(directory: Path, dtype: str, plugin: bool, kind: str, question: str) -> dict:
-    """One engine's loss on the real text and its answer to the question."""
-    from transformers import AutoTokenizer
-    from vllm import SamplingParams
-
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    text_ids = real_text_ids(tokenizer)
-    if kind == "chat":
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
-        question_ids = tokenizer(chat, add_special_tokens=False).input_ids
-    else:
-        question_ids = tokenizer(question).input_ids
-    scored, answered = scored_and_answered(
-        directory, plugin, [{"prompt_token_ids": text_ids}, {"prompt_token_ids": question_ids}],
-        [SamplingParams(max_tokens=1, prompt_logprobs=0), SamplingParams(max_tokens=64, temperature=0.0)],
-        dtype=dtype, max_model_len=4096, kv_cache_memory_bytes=1 << 29, enforce_eager=True, seed=0)
-    losses = [-entry[text_ids[i + 1]].logprob for i, entry in enumerate(scored.prompt_logprobs[1:])]
-    return {"loss": sum(losses) / len(losses), "answer": answered.outputs[0].text}
+    # prompt_logprobs[i]: the distribution before token i (the first is None)
+    chosen = [scoring.prompt_logprobs[i][ids[i]].logprob for i in range(len(ids) - scored, len(ids))]
+    return -sum(chosen) / len(chosen), answer[0].outputs[0].text if answer else None
 
 
 def verdicts(rows: list[dict]) -> dict[str, dict[str, bool]]:
@@ -94,15 +77,14 @@ def verdicts(rows: list[dict]) -> dict[str, dict[str, bool]]:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Measured {report['date'][:10]} on {report['machine']}: loss of {report['text_tokens']:,} tokens of "
-             "real text (nats per token) and the greedy answer to a question, stock vLLM and the plugin "
-             "(`none`).", "", "| model | dtype | engine | loss | answer correct |", "| --- | --- | --- | --- | --- |"]
-    for r in report["rows"]:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['engine']} | {r['loss']:.3f} | "
-                     f"{'yes' if r['answer_correct'] else 'no'} |")
+    rows = [[r["model"], r["dtype"], r["engine"], f"{r['loss']:.3f}", "yes" if r["answer_correct"] else "no"]
+            for r in report["rows"]]
     good = [f"{model} in {' and '.join(d for d, ok in by_dtype.items() if ok) or 'neither dtype'}"
             for model, by_dtype in report["verdicts"].items()]
-    return "\n".join(lines) + "\n\nBoth engines right and within the loss tolerance: " + "; ".join(good) + "."
+    return (f"Measured {report['date'][:10]} on {report['machine']}: loss of {report['text_tokens']:,} tokens of "
+            "real text (nats per token) and the greedy answer to a question, stock vLLM and the plugin (`none`).\n\n"
+            + harness.markdown_table(["model", "dtype", "engine", "loss", "answer correct"], rows)
+            + "\n\nBoth engines right and within the loss tolerance: " + "; ".join(good) + ".")
 
 
 # --stock-at's engines: (engine, dtype, the plugin's attention precision, KV cache), stock vLLM's own
@@ -113,33 +95,24 @@ REFERENCE_RUNS = [("stock", "float32", None, "auto"), ("stock", "bfloat16", None
                   *(("stock", "bfloat16", None, kv) for kv in FP8_CACHES)]
 
 
-def loss_text(tokenizer, length: int) -> tuple[list[int], int]:
-    """the quality suite's loss prompt at ``length`` (the corpus' tokens ending at the same token
-    for every length) and how many of its last tokens that loss scores."""
+def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, precision: str | None,
+                    kv_cache_dtype: str = "auto") -> float:
+    """The mean NLL under plain RoPE past training of the quality suite's loss prompt at ``length``
+    (the corpus' tokens ending at the same token for every length) and its scored tokens: stock
+    vLLM with its position limit raised to ``length``, or the plugin's ``none`` at ``precision``."""
+    from transformers import AutoTokenizer
+
     from bench.quality import loss_window
     from rope_plugins.deploy.corpus import load_corpus
 
-    return loss_window(tokenizer(load_corpus("pydoc")[:400_000], add_special_tokens=False).input_ids, length)
-
-
-def plain_rope_loss(directory: Path, length: int, dtype: str, engine: str, precision: str | None,
-                    kv_cache_dtype: str = "auto") -> float:
-    """The mean NLL of the loss text's scored tokens under plain RoPE past training: stock vLLM
-    with its position limit raised to ``length``, or the plugin's ``none`` at ``precision``."""
-    from transformers import AutoTokenizer
-    from vllm import SamplingParams
-
-    ids, scored = loss_text(AutoTokenizer.from_pretrained(directory), length)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    ids, scored = loss_window(tokenizer(load_corpus("pydoc")[:400_000], add_special_tokens=False).input_ids, length)
     room = length + 64  # the prompt and the one token generated after it
-    [scoring] = scored_and_answered(directory, engine == "plugin", [{"prompt_token_ids": ids}],
-                                    [SamplingParams(max_tokens=1, prompt_logprobs=0)],
-                                    stock_overrides={"max_position_embeddings": room}, precision=precision,
-                                    dtype=dtype, max_model_len=room, kv_cache_memory_bytes=1 << 30, seed=0,
-                                    kv_cache_dtype=kv_cache_dtype,
-                                    max_num_batched_tokens=max(length // 2, 8192))
-    # prompt_logprobs[i] is the distribution before token i (the first is None)
-    chosen = [scoring.prompt_logprobs[i][ids[i]].logprob for i in range(len(ids) - scored, len(ids))]
-    return -sum(chosen) / len(chosen)
+    loss, _ = loss_and_answer(directory, engine == "plugin", ids, scored, precision=precision,
+                              stock_overrides={"max_position_embeddings": room}, dtype=dtype, max_model_len=room,
+                              kv_cache_memory_bytes=1 << 30, seed=0, kv_cache_dtype=kv_cache_dtype,
+                              max_num_batched_tokens=max(length // 2, 8192))
+    return loss
 
 
 def stock_reference(length: int) -> dict:
@@ -174,16 +147,14 @@ VERDICTS = {True: "yes", False: "**no**", None: "-"}
 
 
 def stock_markdown(report: dict) -> str:
-    lines = [f"Measured {report['date'][:10]} on {report['machine']}: plain RoPE's loss at {report['length']:,} "
-             "tokens (the quality suite's loss text and scored tokens), stock vLLM in both dtypes and the "
-             f"plugin's `none` in bfloat16, each against stock vLLM in float32 (tolerance {report['tolerance']} "
-             "nats; stock's with an fp8 cache is the fp8 drift's yardstick):", "",
-             "| engine | dtype | attention precision | KV cache | loss | difference | within |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['engine']} | {r['dtype']} | {r['attention_precision'] or '-'} | {r.get('kv_cache_dtype', 'auto')} "
-              f"| {r['loss']:.4f} | {r['difference']:+.4f} | {VERDICTS[r['within']]} |"
-              for r in report["rows"]]
-    return "\n".join(lines)
+    rows = [[r["engine"], r["dtype"], r["attention_precision"], r.get("kv_cache_dtype", "auto"), f"{r['loss']:.4f}",
+             f"{r['difference']:+.4f}", VERDICTS[r["within"]]] for r in report["rows"]]
+    return (f"Measured {report['date'][:10]} on {report['machine']}: plain RoPE's loss at {report['length']:,} "
+            "tokens (the quality suite's loss text and scored tokens), stock vLLM in both dtypes and the "
+            f"plugin's `none` in bfloat16, each against stock vLLM in float32 (tolerance {report['tolerance']} "
+            "nats; stock's with an fp8 cache is the fp8 drift's yardstick):\n\n"
+            + harness.markdown_table(["engine", "dtype", "attention precision", "KV cache", "loss", "difference",
+                                      "within"], rows))
 
 
 FP8_MARGIN = 0.005  # nats: how much more than stock's own fp8 drift a method's may be
@@ -214,15 +185,46 @@ def drift_rows(losses: dict[str, dict[str, float]], yardstick: dict[str, float])
 
 def fp8_markdown(report: dict) -> str:
     yardstick = ", ".join(f"{kv} {report['yardstick'][kv]:+.4f}" for kv in FP8_CACHES)
-    lines = [f"Measured {report['date'][:10]} on {report['machine']}: SmolLM2-135M-Instruct in bfloat16, the loss "
-             f"of the quality suite's text at {report['length']:,} tokens with an fp8 KV cache less that with the "
-             f"bfloat16 cache. Stock vLLM's own drift for plain RoPE: {yardstick} nats; within: every format's "
-             f"drift at most stock's + {report['margin']} nats.", "",
-             harness.markdown_table(["setting", "loss, bfloat16 cache", *(f"drift, {kv}" for kv in FP8_CACHES),
-                                     "within"],
-                                    [[r["setting"], f"{r['bfloat16']:.4f}", *(f"{r[kv]:+.4f}" for kv in FP8_CACHES),
-                                      VERDICTS[r["within"]]] for r in report["rows"]])]
-    return "\n".join(lines)
+    rows = [[r["setting"], f"{r['bfloat16']:.4f}", *(f"{r[kv]:+.4f}" for kv in FP8_CACHES), VERDICTS[r["within"]]]
+            for r in report["rows"]]
+    return (f"Measured {report['date'][:10]} on {report['machine']}: SmolLM2-135M-Instruct in bfloat16, the loss "
+            f"of the quality suite's text at {report['length']:,} tokens with an fp8 KV cache less that with the "
+            f"bfloat16 cache. Stock vLLM's own drift for plain RoPE: {yardstick} nats; within: every format's "
+            f"drift at most stock's + {report['margin']} nats.\n\n"
+            + harness.markdown_table(["setting", "loss, bfloat16 cache", *(f"drift, {kv}" for kv in FP8_CACHES),
+                                      "within"], rows))
+
+
+def check_models(names: list[str] | None) -> dict:
+    """Per model (``names``, else every provisioned one), dtype and engine: the loss on the real
+    text and the answer to the question, correct or not; then the verdicts."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from rope_plugins.models.catalog import model_source
+    from rope_plugins.models.provision import is_ready, provision
+
+    names = names or [name for name in QUESTIONS if is_ready(model_source(name))]
+    runs = [(name, dtype, engine) for name in names for dtype in DTYPES for engine in ("stock", "plugin")]
+    rows, began = [], time.perf_counter()
+    for name, dtype, engine in tqdm(runs, desc="dtype check", unit="engine"):
+        kind, question, expected = QUESTIONS[name]
+        directory = provision(name)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        if kind == "chat":
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                 add_generation_prompt=True)
+            question_ids = tokenizer(chat, add_special_tokens=False).input_ids
+        else:
+            question_ids = tokenizer(question).input_ids
+        text_ids = real_text_ids(tokenizer)
+        loss, answer = loss_and_answer(directory, engine == "plugin", text_ids, len(text_ids) - 1, question_ids,
+                                       dtype=dtype, max_model_len=4096, kv_cache_memory_bytes=1 << 29,
+                                       enforce_eager=True, seed=0)
+        rows.append({"model": name, "dtype": dtype, "engine": engine, "loss": loss, "answer": answer,
+                     "answer_correct": all(word in answer for word in expected)})
+    return {"date": harness.now(), "machine": harness.machine(), "text_tokens": TEXT_TOKENS,
+            "seconds": round(time.perf_counter() - began), "rows": rows, "verdicts": verdicts(rows)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,47 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=sorted(QUESTIONS))
     parser.add_argument("--out", type=Path, default=RESULTS / "dtype.json")
     parser.add_argument("--stock-at", type=int, metavar="LENGTH",
-                        help="plain RoPE's loss at LENGTH on the quality suite's loss text: stock vLLM in both dtypes "
-                             "and the plugin's none in bfloat16 at both attention precisions (writes "
+                        help="plain RoPE's loss at LENGTH on the quality suite's loss text: stock vLLM in both dtypes, "
+                             "the plugin's none in bfloat16 at both attention precisions (writes "
                              "bench/results/dtype_stock.json)")
     parser.add_argument("--fp8", type=Path, metavar="QUALITY_DIR",
-                        help="each setting's fp8 drift from the quality suite's runs with each KV cache in "
-                             "QUALITY_DIR (kv_bfloat16_<cache>.json) against stock's in dtype_stock.json (writes "
-                             "bench/results/dtype_fp8.json)")
+                        help="each setting's fp8 drift from the quality suite's QUALITY_DIR/kv_bfloat16_<cache>.json "
+                             "against stock's in dtype_stock.json (writes bench/results/dtype_fp8.json)")
     args = parser.parse_args(argv)
     if args.fp8:
-        report = fp8_drift(json.loads((RESULTS / "dtype_stock.json").read_text()), args.fp8)
-        harness.write_json(report, RESULTS / "dtype_fp8.json")
-        print(fp8_markdown(report))
-        return 0
-    if args.stock_at:
+        stock = json.loads((RESULTS / "dtype_stock.json").read_text())
+        report, out, render = fp8_drift(stock, args.fp8), RESULTS / "dtype_fp8.json", fp8_markdown
+    else:
         from rope_plugins.frontend.engine_args import compute_on_every_core
 
         compute_on_every_core()
-        report = stock_reference(args.stock_at)
-        harness.write_json(report, RESULTS / "dtype_stock.json")
-        print(stock_markdown(report))
-        return 0
-    from tqdm import tqdm
-
-    from rope_plugins.frontend.engine_args import compute_on_every_core
-    from rope_plugins.models.catalog import model_source
-    from rope_plugins.models.provision import is_ready, provision
-
-    compute_on_every_core()
-    names = args.models or [name for name in QUESTIONS if is_ready(model_source(name))]
-    runs = [(name, dtype, engine) for name in names for dtype in DTYPES for engine in ("stock", "plugin")]
-    rows, began = [], time.perf_counter()
-    for name, dtype, engine in tqdm(runs, desc="dtype check", unit="engine"):
-        kind, question, expected = QUESTIONS[name]
-        result = measure(provision(name), dtype, engine == "plugin", kind, question)
-        rows.append({"model": name, "dtype": dtype, "engine": engine, **result,
-                     "answer_correct": all(word in result["answer"] for word in expected)})
-    report = {"date": harness.now(),
-              "machine": harness.machine(), "text_tokens": TEXT_TOKENS,
-              "seconds": round(time.perf_counter() - began), "rows": rows, "verdicts": verdicts(rows)}
-    harness.write_json(report, args.out)
-    print(markdown(report))
-    print(f"wrote {args.out}")
+        if args.stock_at:
+            report, out, render = stock_reference(args.stock_at), RESULTS / "dtype_stock.json", stock_markdown
+        else:
+            report, out, render = check_models(args.models), args.out, markdown
+    harness.write_json(report, out)
+    print(render(report))
     return 0
-

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import harness
-from rope_plugins.attention.planner import KEY_TILE
+from rope_plugins.attention.planner import MIN_SPLIT_KEYS, QUERY_TILE
 
 RESULTS = harness.RESULTS
 BLOCK = 16  # tokens per cache block (vLLM's default on CUDA)
@@ -66,8 +66,8 @@ class Sizes:
     shapes: tuple[Shape, ...]
     train_length: int
     rows: tuple[tuple[dict, int, int], ...]  # (settings fields, context, new tokens)
-    query_tile: int | None = None  # None: the engine's (rope_plugins/attention/planner.py)
-    min_split_keys: int | None = None
+    query_tile: int = QUERY_TILE  # the engine's by default
+    min_split_keys: int = MIN_SPLIT_KEYS
 
 
 def decoding_every_method(train_length: int, contexts: tuple[int, ...]) -> tuple:
@@ -83,8 +83,7 @@ def decoding_every_method(train_length: int, contexts: tuple[int, ...]) -> tuple
               dict(method="ntk_fixed", factor=4.0, log_n=True), dict(method="none"),
               dict(method="self_extend", window=window, group=8, log_n=True), dict(method="ntk_dynamic"),
               dict(method="string"), dual_chunk)
-    assert len(contexts) == len(fields)
-    return tuple((chosen, context, 1) for chosen, context in zip(fields, contexts))
+    return tuple((chosen, context, 1) for chosen, context in zip(fields, contexts, strict=True))
 
 
 REAL = Sizes(
@@ -145,19 +144,12 @@ def row_errors(output: torch.Tensor, expected: torch.Tensor) -> dict:
     return {"max_error": error, "scale": scale, "relative_error": error / scale}
 
 
-def key_tiles_of(key_tile: int | None) -> dict[str, int]:
-    """The keys per inner step each attention kernel runs with: ``key_tile`` for both, or (None) their defaults."""
-    from rope_plugins.ops import gpu
-
-    return {"prefill": key_tile or gpu.PREFILL_KEY_TILE, "decode": key_tile or gpu.DECODE_KEY_TILE}
-
-
-def run_kernels(step, device: torch.device, sizes: Sizes, key_tile: int | None = None,
+def run_kernels(step, device: torch.device, sizes: Sizes, key_tiles: dict[str, int],
                 fp8: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
-    """The step through the three kernels as the engine runs them: its keys and values
-    written (with padded tokens) into a cache whose slots for them hold NaN, then prefill and
-    decode (:func:`key_tiles_of`); an ``fp8`` cache (the step's holds its bytes) by FP8_SCALES.
-    Returns the output (CPU) and whether the cache write left the cache exactly right."""
+    """The step through the three kernels as the engine runs them: its keys and values written
+    (with padded tokens) into a cache whose slots for them hold NaN, then prefill and decode; an
+    ``fp8`` cache (the step's holds its bytes) by FP8_SCALES. Returns the output (CPU, which waits
+    for the kernels) and whether the cache write left the cache exactly right."""
     from rope_plugins.attention.planner import kernel_plan
     from rope_plugins.ops import gpu
 
@@ -168,47 +160,41 @@ def run_kernels(step, device: torch.device, sizes: Sizes, key_tile: int | None =
     garbage = torch.randn(PADDED, *step.key.shape[1:], device=device).to(step.key.dtype)
     slots = torch.cat((step.slots, torch.full((PADDED,), -1, dtype=step.slots.dtype, device=device)))
     gpu.write_cache(torch.cat((step.key, garbage)), torch.cat((step.value, garbage)), cache, slots, **scales)
-    launch = {name: value for name, value in (("query_tile", sizes.query_tile),
-                                              ("min_split_keys", sizes.min_split_keys)) if value is not None}
     plan = kernel_plan(step.tables, query_start_cpu=step.starts.cpu(), query_start=step.starts.to(torch.int32),
                        seq_lens=step.seq_lens.to(torch.int32), max_seq_len=int(step.seq_lens.max()),
-                       block_table=step.block_table.to(torch.int32), slot_mapping=slots[: -PADDED], **launch)
+                       block_table=step.block_table.to(torch.int32), slot_mapping=slots[: -PADDED],
+                       query_tile=sizes.query_tile, min_split_keys=sizes.min_split_keys)
     output = torch.full_like(step.query, float("nan"))
     scale = step.query.shape[-1] ** -0.5
-    tiles = key_tiles_of(key_tile)
-    gpu.prefill(step.query, cache, plan, output, scale=scale, key_tile=tiles["prefill"], **scales)
-    gpu.decode(step.query, cache, plan, output, scale=scale, key_tile=tiles["decode"], **scales)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    gpu.prefill(step.query, cache, plan, output, scale=scale, key_tile=key_tiles["prefill"], **scales)
+    gpu.decode(step.query, cache, plan, output, scale=scale, key_tile=key_tiles["decode"], **scales)
     return output.cpu(), torch.equal(cache.view(torch.uint8) if fp8 else cache, step.cache)
-
-
-def case_of(shape: Shape, dtype: str, cache: str, tolerance: float, key_tile: int | None, **measured) -> dict:
-    """A case's record: what ran, then what was measured (or the error it raised)."""
-    return {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
-            "dtype": dtype, "kv_cache_dtype": cache, "key_tiles": key_tiles_of(key_tile), "tolerance": tolerance,
-            **measured}
 
 
 def check_case(step, expected: list[torch.Tensor], shape: Shape, dtype: str, cache: str, tolerance: float,
                device: torch.device, sizes: Sizes, key_tile: int | None) -> dict:
-    """One step in one dtype on one cache against the oracle's rows: the errors and the verdict (a
-    kernel that raised, e.g. bfloat16 before Ampere, is a failed case with its error)."""
-    case = partial(case_of, shape, dtype, cache, tolerance, key_tile)
+    """One step in one dtype on one cache against the oracle's rows: what ran, the errors and the
+    verdict (a kernel that raised, e.g. bfloat16 before Ampere, is a failed case with its error). The
+    kernels run with ``key_tile`` keys per inner step, or (None) each its own."""
+    from rope_plugins.ops import gpu
+
+    key_tiles = {"prefill": key_tile or gpu.PREFILL_KEY_TILE, "decode": key_tile or gpu.DECODE_KEY_TILE}
+    case = {"shape": shape.label, "head": shape.head, "q_heads": shape.kv * shape.queries_per_kv, "kv_heads": shape.kv,
+            "dtype": dtype, "kv_cache_dtype": cache, "key_tiles": key_tiles, "tolerance": tolerance}
     try:
-        output, cache_exact = run_kernels(step, device, sizes, key_tile, CACHE_FORMATS[cache])
+        output, cache_exact = run_kernels(step, device, sizes, key_tiles, CACHE_FORMATS[cache])
     except Exception as error:
-        return case(cache_write_exact=False, max_error=None, relative_error=None, passed=False, rows=[],
-                    error=f"{type(error).__name__}: {error}"[:4000])
+        return {**case, "cache_write_exact": False, "max_error": None, "relative_error": None, "passed": False,
+                "rows": [], "error": f"{type(error).__name__}: {error}"[:4000]}
     errors = [row_errors(output[int(step.starts[r]): int(step.starts[r + 1])], oracle)
               for r, oracle in enumerate(expected)]
     worst = {key: max(error[key] for error in errors) for key in ("max_error", "relative_error")}
     rows = [{"settings": settings.canonical(), "context": context, "new": new,
              **{key: finite(value) for key, value in error.items()}}
             for (settings, context, new), error in zip(step.rows, errors)]
-    return case(tokens=int(step.starts[-1]), keys=int(step.seq_lens.sum()), cache_write_exact=cache_exact,
-                **{key: finite(value) for key, value in worst.items()},
-                passed=cache_exact and worst["relative_error"] <= tolerance, rows=rows)
+    return {**case, "tokens": int(step.starts[-1]), "keys": int(step.seq_lens.sum()), "cache_write_exact": cache_exact,
+            **{key: finite(value) for key, value in worst.items()},
+            "passed": cache_exact and worst["relative_error"] <= tolerance, "rows": rows}
 
 
 def cached(step, cache: str):
@@ -220,6 +206,12 @@ def cached(step, cache: str):
         return step, step
     bytes_, oracle = fp8_cached(step, CACHE_FORMATS[cache], *FP8_SCALES)
     return dataclasses.replace(step, cache=bytes_), oracle
+
+
+def verdict(cases: list[dict], complete: bool = True) -> dict:
+    """Part 1's record: passed where the run is complete, has cases, and every one passed."""
+    return {"passed": complete and bool(cases) and all(case["passed"] for case in cases), "complete": complete,
+            "block_size": BLOCK, "cases": cases}
 
 
 def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float], device: torch.device, *,
@@ -253,7 +245,7 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
                                             key_tile))
                     on_case(cases)
                     bar.update()
-    return {"passed": all(case["passed"] for case in cases), "complete": True, "block_size": BLOCK, "cases": cases}
+    return verdict(cases)
 
 
 def versions(device: torch.device) -> dict:
@@ -263,11 +255,9 @@ def versions(device: torch.device) -> dict:
     cuda = device.type == "cuda"
     return {"gpu": torch.cuda.get_device_name(device) if cuda else None,
             "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
-            "gpu_count": torch.cuda.device_count() if cuda else 0,
-            "cuda": torch.version.cuda, "triton": triton.__version__, "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": harness.machine(),
-            "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+            "gpu_count": torch.cuda.device_count() if cuda else 0, "cuda": torch.version.cuda,
+            "triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": harness.machine(), "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
 
 
 def number(value: float | None) -> str:
@@ -277,19 +267,16 @@ def number(value: float | None) -> str:
 def markdown(report: dict) -> str:
     """Part 1's verdicts as a table (bench/readme.py's block of gpu_check.json)."""
     env, kernels = report["environment"], report.get("kernels") or {"cases": []}
-    lines = [f"Checked {report['date'][:10]} on an {env['gpu'] or 'interpreter'} (CUDA {env['cuda']}, torch "
-             f"{env['torch']}, Triton {env['triton']}): largest error against the float64 oracle, relative to the "
-             "largest output of its row; key tiles: prefill's/decode's.", "",
-             "| heads | dtype | KV cache | key tiles | error | relative | allowed | cache write | verdict |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for case in kernels["cases"]:
-        tiles = case.get("key_tiles") or {"prefill": KEY_TILE, "decode": KEY_TILE}  # before launches were recorded
-        lines.append(f"| {case['shape']} | {case['dtype']} | {case.get('kv_cache_dtype', 'auto')} | "
-                     f"{tiles['prefill']}/{tiles['decode']} | "
-                     f"{number(case['max_error'])} | {number(case['relative_error'])} | {case['tolerance']:.0e} | "
-                     f"{'exact' if case['cache_write_exact'] else 'wrong'} | {'pass' if case['passed'] else 'FAIL'} |")
-    verdict = "every case passed" if kernels.get("passed") else "some cases failed or did not run"
-    return "\n".join([*lines, "", f"Kernels: {verdict}."])
+    table = harness.markdown_table(
+        ["heads", "dtype", "KV cache", "key tiles", "error", "relative", "allowed", "cache write", "verdict"],
+        [[case["shape"], case["dtype"], case.get("kv_cache_dtype", "auto"),
+          f"{case['key_tiles']['prefill']}/{case['key_tiles']['decode']}", number(case["max_error"]),
+          number(case["relative_error"]), f"{case['tolerance']:.0e}", "exact" if case["cache_write_exact"] else "wrong",
+          "pass" if case["passed"] else "FAIL"] for case in kernels["cases"]])
+    result = "every case passed" if kernels.get("passed") else "some cases failed or did not run"
+    return (f"Checked {report['date'][:10]} on an {env['gpu'] or 'interpreter'} (CUDA {env['cuda']}, torch "
+            f"{env['torch']}, Triton {env['triton']}): largest error against the float64 oracle, relative to the "
+            f"largest output of its row; key tiles: prefill's/decode's.\n\n{table}\n\nKernels: {result}.")
 
 
 def failures(report: dict) -> str:
@@ -305,37 +292,28 @@ def failures(report: dict) -> str:
     return "\n".join(lines)
 
 
-def tolerance_overrides(items: list[str]) -> dict[str, float]:
-    tolerances = dict(TOLERANCE)
-    for item in items:
-        dtype, _, value = item.partition("=")
-        if dtype not in DTYPES or not value:
-            raise SystemExit(f"--tolerance takes DTYPE=VALUE with DTYPE one of {', '.join(DTYPES)}, not {item!r}")
-        tolerances[dtype] = float(value)
-    return tolerances
+def tolerance(item: str) -> tuple[str, float]:
+    """``--tolerance``'s DTYPE=VALUE."""
+    dtype, _, value = item.partition("=")
+    if dtype not in DTYPES or not value:
+        raise argparse.ArgumentTypeError(f"DTYPE=VALUE with DTYPE one of {', '.join(DTYPES)}, not {item!r}")
+    return dtype, float(value)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--interpret", action="store_true",
-                        help="on CPU tensors under Triton's interpreter (small sizes)")
-    parser.add_argument("--sizes", choices=["real", "small"],
-                        help="steps (default: real on CUDA, small under --interpret)")
+    parser.add_argument("--interpret", action="store_true", help="on this CPU under Triton's interpreter")
+    parser.add_argument("--sizes", choices=["real", "small"], help="default: real on CUDA, small under --interpret")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                         help="dtypes (default: all three on CUDA, float32 and float16 under --interpret)")
-    parser.add_argument("--tolerance", action="append", default=[], metavar="DTYPE=VALUE",
+    parser.add_argument("--tolerance", action="append", type=tolerance, default=[], metavar="DTYPE=VALUE",
                         help=f"largest relative error allowed for a dtype (default {TOLERANCE})")
     parser.add_argument("--kv-cache-dtypes", nargs="+", choices=list(CACHE_FORMATS),
                         help="caches (default: all three on CUDA, auto and fp8_e4m3 under --interpret)")
     parser.add_argument("--key-tiles", type=int, nargs="+", default=[None],
-                        help="keys per inner step of both attention kernels, each checked "
-                             "(default: each kernel's own)")
+                        help="keys per inner step of both attention kernels, each checked (default: each kernel's own)")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated: before rope_plugins.ops.gpu loads
         device = torch.device("cpu")
@@ -349,20 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {"real": REAL, "small": SMALL}[args.sizes or ("small" if args.interpret else "real")]
     dtypes = args.dtypes or (["float32", "float16"] if args.interpret else list(DTYPES))
     caches = args.kv_cache_dtypes or (["auto", "fp8_e4m3"] if args.interpret else list(CACHE_FORMATS))
-    report = {"date": harness.now(),
-              "mode": "interpreter" if args.interpret else "cuda", "environment": versions(device)}
+    report = {"date": harness.now(), "mode": "interpreter" if args.interpret else "cuda",
+              "environment": versions(device)}
 
-    def write(cases: list, complete: bool = False) -> None:
-        report["kernels"] = {"passed": complete and bool(cases) and all(case["passed"] for case in cases),
-                             "complete": complete,
-                             "block_size": BLOCK, "cases": cases}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
+    def write(kernels: dict) -> None:
+        report["kernels"] = kernels
         harness.write_json(report, args.out, allow_nan=False)
 
-    kernels = check_kernels(sizes, dtypes, tolerance_overrides(args.tolerance), device,
-                            key_tiles=tuple(args.key_tiles), caches=tuple(caches), on_case=write)
-    write(kernels["cases"], complete=True)
+    kernels = check_kernels(sizes, dtypes, {**TOLERANCE, **dict(args.tolerance)}, device,
+                            key_tiles=tuple(args.key_tiles), caches=tuple(caches),
+                            on_case=lambda cases: write(verdict(cases, complete=False)))
+    write(verdict(kernels["cases"]))
     print(markdown(report), failures(report), sep="\n\n")
     print(f"\nwrote {args.out}")
     return 0 if report["kernels"]["passed"] else 1
-

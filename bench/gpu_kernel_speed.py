@@ -17,16 +17,17 @@ vLLM's on Hopper is FA-3 on the paged cache, which this does not run.
 from __future__ import annotations
 
 import argparse
-import platform
+import traceback
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from bench import harness
+from bench.gpu_check import BLOCK, versions
+from rope_plugins.attention.planner import QUERY_TILE
 
 RESULTS = harness.RESULTS
-BLOCK = 16
 BASE = 500000.0  # Llama 3's rotary base
 TRAIN = 8192
 METHODS = {"none": dict(method="none"), "rerope": dict(method="rerope", window=TRAIN // 4),
@@ -40,15 +41,13 @@ def paged_cache(seq_lens: list[int], kv: int, head: int, dtype: torch.dtype, dev
     cache = torch.randn(sum(blocks_per_row) + 1, kv, BLOCK, 2 * head, generator=generator, device=device).to(dtype)
     order = torch.randperm(cache.shape[0], generator=generator, device=device)
     table = torch.zeros(len(seq_lens), max(blocks_per_row), dtype=torch.int32, device=device)
-    start = 0
-    for r, count in enumerate(blocks_per_row):
-        table[r, :count] = order[start: start + count].to(torch.int32)
-        start += count
+    for r, blocks in enumerate(order[: sum(blocks_per_row)].split(blocks_per_row)):
+        table[r, : len(blocks)] = blocks
     return cache, table
 
 
 def plan_for(methods: list[str], query_lens: list[int], seq_lens: list[int], table, head: int, device,
-             query_tile: int | None = None):
+             query_tile: int = QUERY_TILE):
     """The engine's KernelPlan for rows of the given methods."""
     from rope_plugins.attention.planner import kernel_plan
     from rope_plugins.rules.checkpoint import CheckpointRotary
@@ -60,10 +59,10 @@ def plan_for(methods: list[str], query_lens: list[int], seq_lens: list[int], tab
     for r, method in enumerate(methods):
         tables.write(r, row_values(ExtensionSettings(train_length=TRAIN, **METHODS[method]), rotary))
     starts = torch.tensor([0, *query_lens]).cumsum(0)
-    launch = {} if query_tile is None else {"query_tile": query_tile}
     return kernel_plan(tables, query_start_cpu=starts, query_start=starts.to(device, torch.int32),
                        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), max_seq_len=max(seq_lens),
-                       block_table=table, slot_mapping=torch.zeros(0, dtype=torch.int64, device=device), **launch)
+                       block_table=table, slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
+                       query_tile=query_tile)
 
 
 def rotated(x: torch.Tensor, positions: torch.Tensor, head: int) -> torch.Tensor:
@@ -98,18 +97,27 @@ def timed(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-def measure(run, label: str, output: torch.Tensor, expected: torch.Tensor | None) -> dict | None:
-    """``run``'s median milliseconds (None, said, where this launch fails: e.g. out of shared
-    memory); with ``expected``, also its output's largest difference from it, relative to its largest value."""
-    try:
-        entry = {"ms": timed(run)}
-    except Exception as error:
-        print(f"{label}: {type(error).__name__}: {error}"[:300], flush=True)
-        return None
-    if expected is not None:
-        run()
-        entry["relative_error_vs_flash"] = float((output.float() - expected).abs().max() / expected.abs().max())
-    return entry
+def time_launches(runs, output: torch.Tensor, expected: torch.Tensor, baseline_ms: float, rates) -> dict:
+    """Each of ``runs`` ((method, label, fields, run)) timed and said: per method the launches that
+    ran (one that fails, e.g. out of shared memory, is said and left out), each its median
+    milliseconds, its ``fields``, its time as a multiple of FlashAttention's and ``rates(ms)``;
+    ``none``'s also its output's largest difference from ``expected``, relative to its largest value."""
+    methods = {}
+    for method, label, fields, run in runs:
+        try:
+            entry = {"ms": timed(run)}
+        except Exception as error:
+            print(f"{label}: {type(error).__name__}: {error}"[:300], flush=True)
+            continue
+        if method == "none":
+            run()
+            entry["relative_error_vs_flash"] = float((output.float() - expected).abs().max() / expected.abs().max())
+        ms, per_ms = entry["ms"], rates(entry["ms"])
+        entry.update(**fields, x_flash=ms / baseline_ms, **per_ms)
+        methods.setdefault(method, []).append(entry)
+        print(f"{label}: {ms:8.3f} ms, {ms / baseline_ms:5.2f}x flash ({baseline_ms:.3f} ms)"
+              + "".join(f", {name} {value:.0f}" for name, value in per_ms.items()), flush=True)
+    return methods
 
 
 def prefill_speed(args, device, generator) -> dict:
@@ -127,24 +135,17 @@ def prefill_speed(args, device, generator) -> dict:
     v = value.transpose(0, 1)[None].contiguous()
     baseline_ms = timed(lambda: flash(q, k, v, causal=True))
     flops = 4 * heads * head * n * (n + 1) / 2  # QK^T and PV over the causal half
-    result = {"tokens": n, "flash_ms": baseline_ms, "flash_tflops": flops / baseline_ms / 1e9, "methods": {}}
+    result = {"tokens": n, "flash_ms": baseline_ms, "flash_tflops": flops / baseline_ms / 1e9}
     expected = flash(q, k, v, causal=True)[0].transpose(0, 1).float()
-    launches = [(tile, key_tile, warps) for tile in args.query_tiles for key_tile in args.key_tiles
-                for warps in args.warps]
-    for method in args.methods:
-        for tile, key_tile, warps in launches if method in args.sweep_methods else launches[:1] + [args.best_prefill]:
-            plan = plan_for([method], [n], [n], table, head, device, query_tile=tile)
-            run = partial(gpu.prefill, query, cache, plan, output, scale=scale, key_tile=key_tile, num_warps=warps)
-            entry = measure(run, f"prefill {method} {tile}/{key_tile}/{warps}", output,
-                            expected if method == "none" else None)
-            if entry is None:
-                continue
-            ms = entry["ms"]
-            entry.update(query_tile=tile, key_tile=key_tile, num_warps=warps, x_flash=ms / baseline_ms,
-                         tflops=flops / ms / 1e9)
-            result["methods"].setdefault(method, []).append(entry)
-            print(f"prefill {n}: {method:<13} q{tile:>3} k{key_tile:>3} w{warps}: {ms:8.2f} ms, "
-                  f"{ms / baseline_ms:5.2f}x flash ({baseline_ms:.2f} ms)", flush=True)
+    swept = [(tile, key_tile, warps) for tile in args.query_tiles for key_tile in args.key_tiles
+             for warps in args.warps]
+    runs = ((method, f"prefill {n}: {method:<13} q{tile:>3} k{key_tile:>3} w{warps}",
+             dict(query_tile=tile, key_tile=key_tile, num_warps=warps),
+             partial(gpu.prefill, query, cache, plan_for([method], [n], [n], table, head, device, query_tile=tile),
+                     output, scale=scale, key_tile=key_tile, num_warps=warps))
+            for method in args.methods
+            for tile, key_tile, warps in (swept if method in args.sweep_methods else [swept[0], args.best_prefill]))
+    result["methods"] = time_launches(runs, output, expected, baseline_ms, lambda ms: {"tflops": flops / ms / 1e9})
     return result
 
 
@@ -166,22 +167,20 @@ def decode_speed(args, device, generator) -> dict:
     baseline_ms = timed(lambda: flash(q, k, v, causal=False))
     expected = flash(q, k, v, causal=False)[:, :, 0].float()
     result = {"rows": rows, "context": n, "cache_bytes": cache_bytes, "flash_ms": baseline_ms,
-              "flash_gbps": cache_bytes / baseline_ms / 1e6, "methods": {}}
-    for method in args.methods:
-        plan = plan_for([method] * rows, [1] * rows, [n] * rows, table, head, device)
-        launches = decode_launches(args)
-        for launch in launches if method in args.sweep_methods else launches[:1]:
-            run = partial(gpu.decode, query, cache, plan, output, scale=scale, **launch)
-            label = launch_label(launch)
-            entry = measure(run, f"decode {method} {label}", output, expected if method == "none" else None)
-            if entry is None:
-                continue
-            ms = entry["ms"]
-            entry.update(**launch, x_flash=ms / baseline_ms, gbps=cache_bytes / ms / 1e6,
-                         splits=plan.decode_rows.splits, split_keys=plan.decode_rows.split_keys)
-            result["methods"].setdefault(method, []).append(entry)
-            print(f"decode {rows} x {n}: {method:<13} {label}: {ms:8.3f} ms, {ms / baseline_ms:5.2f}x flash "
-                  f"({baseline_ms:.3f} ms), {entry['gbps']:.0f} GB/s", flush=True)
+              "flash_gbps": cache_bytes / baseline_ms / 1e6}
+    launches = decode_launches(args)
+
+    def runs():
+        for method in args.methods:
+            plan = plan_for([method] * rows, [1] * rows, [n] * rows, table, head, device)
+            for launch in launches if method in args.sweep_methods else launches[:1]:
+                yield (method, f"decode {rows} x {n}: {method:<13} k{launch['key_tile']:>3} w{launch['num_warps']} "
+                       f"{'dot' if launch['dot'] else 'sum'}{' tile-angles' if launch['tile_angles'] else ''}",
+                       dict(launch, splits=plan.decode_rows.splits, split_keys=plan.decode_rows.split_keys),
+                       partial(gpu.decode, query, cache, plan, output, scale=scale, **launch))
+
+    result["methods"] = time_launches(runs(), output, expected, baseline_ms,
+                                      lambda ms: {"gbps": cache_bytes / ms / 1e6})
     return result
 
 
@@ -199,17 +198,11 @@ def decode_launches(args) -> list[dict]:
     return [default, *(launch for launch in swept + broadcast if launch != default)]
 
 
-def launch_label(launch: dict) -> str:
-    return (f"k{launch['key_tile']:>3} w{launch['num_warps']} {'dot' if launch['dot'] else 'sum'}"
-            f"{' tile-angles' if launch['tile_angles'] else ''}")
-
-
 def entries(part: dict) -> dict[str, list[dict]]:
     """Each method's timed launches; a launch that names no tile, warps or decode products ran
     the kernels' own of this script's first versions (key tile 32, 4 warps, broadcast sums)."""
     defaults = {"key_tile": 32, "num_warps": 4, "dot": False, "tile_angles": False}
-    return {method: [{**defaults, **entry} for entry in (runs if isinstance(runs, list) else [runs])]
-            for method, runs in part.get("methods", {}).items()}
+    return {method: [{**defaults, **entry} for entry in runs] for method, runs in part.get("methods", {}).items()}
 
 
 def best_launches(report: dict) -> dict:
@@ -220,26 +213,25 @@ def best_launches(report: dict) -> dict:
 
 def markdown(report: dict, parts: tuple[str, ...] = ("prefill", "decode")) -> str:
     """The fastest launch of each method against FlashAttention, a table per part in ``parts``."""
-    launches, shape = best_launches(report), report["shape"]
-    best, decode = launches.get("prefill_best", {}) if "prefill" in parts else {}, launches.get("decode_best", {})
+    best, shape = best_launches(report), report["shape"]
     lines = [f"Measured {report['date'][:10]} on an {report['gpu']} (torch {report['torch']}, Triton "
              f"{report['triton']}): {shape['heads']} query / {shape['kv_heads']} KV heads of {shape['head']}, "
              f"{shape['dtype']}, 16-token blocks. The fastest launch of each method; FlashAttention is PyTorch's."]
-    if best:
-        prefill = report["prefill"]
-        lines += [f"Prefill of {prefill['tokens']:,} tokens (FlashAttention {prefill['flash_ms']:.2f} ms, "
-                  f"{prefill['flash_tflops']:.0f} TFLOP/s):", harness.markdown_table(
+    if "prefill" in parts and best.get("prefill_best"):
+        part = report["prefill"]
+        lines += [f"Prefill of {part['tokens']:,} tokens (FlashAttention {part['flash_ms']:.2f} ms, "
+                  f"{part['flash_tflops']:.0f} TFLOP/s):", harness.markdown_table(
                       ["method", "ms", "x flash", "TFLOP/s", "query tile", "key tile", "warps"],
                       [[m, f"{e['ms']:.2f}", f"{e['x_flash']:.2f}", f"{e['tflops']:.0f}", e["query_tile"],
-                        e.get("key_tile", 32), e.get("num_warps", 4)] for m, e in best.items()])]
-    if decode and "decode" in parts:
+                        e["key_tile"], e["num_warps"]] for m, e in best["prefill_best"].items()])]
+    if "decode" in parts and best.get("decode_best"):
         part = report["decode"]
         lines += [f"Decode, {part['rows']} rows of {part['context']:,} keys (FlashAttention {part['flash_ms']:.3f} ms, "
                   f"{part['flash_gbps']:.0f} GB/s of cache):", harness.markdown_table(
                       ["method", "ms", "x flash", "GB/s", "key tile", "warps", "products", "key angles"],
                       [[m, f"{e['ms']:.3f}", f"{e['x_flash']:.2f}", f"{e['gbps']:.0f}", e["key_tile"], e["num_warps"],
                         "tl.dot" if e["dot"] else "broadcast sums", "per tile" if e["tile_angles"] else "per key"]
-                       for m, e in decode.items()])]
+                       for m, e in best["decode_best"].items()])]
     errors = [e["relative_error_vs_flash"] for part in parts for runs in entries(report.get(part, {})).values()
               for e in runs if "relative_error_vs_flash" in e]
     if errors:
@@ -278,35 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_kernel_speed: no CUDA device here")
         return 2
-    import triton
-
     args.torch_dtype = getattr(torch, args.dtype)
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
-    report = {"date": harness.now(),
-              "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "triton": triton.__version__, "python": platform.python_version(),
+    report = {"date": harness.now(), **versions(device),
               "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head": args.head, "dtype": args.dtype,
                         "block": BLOCK, "base": BASE, "train_length": TRAIN}}
-
-    def write() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        harness.write_json(report, args.out)
-
-    parts = (("decode", decode_speed),) + (() if args.skip_prefill else (("prefill", prefill_speed),))
-    for part, measure in parts:
+    for part, speed in (("decode", decode_speed), *(() if args.skip_prefill else [("prefill", prefill_speed)])):
         try:
-            report[part] = measure(args, device, generator)
+            report[part] = speed(args, device, generator)
         except Exception as error:  # keep the other part's numbers
-            import traceback
-
             report[part] = {"error": traceback.format_exc(limit=-4)}
             print(f"{part} failed: {type(error).__name__}: {error}", flush=True)
-        write()
+        harness.write_json(report, args.out)
         torch.cuda.empty_cache()
     report.update(best_launches(report))
     print(markdown(report))
-    write()
-    print(f"wrote {args.out}")
+    print(f"wrote {harness.write_json(report, args.out)}")
     return 0
-

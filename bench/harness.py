@@ -29,20 +29,15 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def machine() -> str:
-    """This machine in one line: its CPU, architecture, cores, and widest vector and matrix instructions."""
+    """This machine in one line: its CPU's model (as /proc/cpuinfo names it), architecture, cores,
+    and widest vector and matrix instructions."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.processor() or "unknown CPU")
     isa = "avx512f" if " avx512f" in info else "avx2" if " avx2" in info else platform.machine()
     amx = ", amx" if " amx_tile" in info else ""
-    return f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, {isa}{amx}"
+    return f"{model} ({platform.machine()}), {os.cpu_count()} cores, {isa}{amx}"
 
 
 def commit() -> str | None:

@@ -28,13 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench import harness
+from bench.speed import PluginLLM, random_prompt, rotated
 
 RESULTS = harness.RESULTS
 LLAMA_CPP_VERSION = "0.3.36"  # pyproject.toml's [llama-cpp] pin; its sdist holds the converter
 WEIGHTS = ("F32", "BF16", "Q4_1")
-# the converter and the gguf package it imports, as they sit in llama-cpp-python's sdist
-CONVERTER_FILES = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
-                   "vendor/llama.cpp/gguf-py/")
+# the converter and the gguf package it imports, as they sit in llama-cpp-python's sdist's vendor/llama.cpp
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class LlamaCppConfig:
         return f"llama.cpp {self.weights}, FA {'on' if self.flash_attn else 'off'}"
 
 
-def llama_cpp_configs() -> list[LlamaCppConfig]:
-    return [LlamaCppConfig(weights, flash) for weights in WEIGHTS for flash in (False, True)]
+LLAMA_CPP_CONFIGS = [LlamaCppConfig(weights, flash) for weights in WEIGHTS for flash in (False, True)]
 
 
 def converter(cache: Path) -> Path:
@@ -65,11 +64,11 @@ def converter(cache: Path) -> Path:
                        check=True)
         sdist = next(Path(download).glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(sdist) as archive:
-            prefix = f"{archive.getnames()[0].split('/')[0]}/"
-            members = [m for m in archive.getmembers()
-                       if any(m.name.removeprefix(prefix).startswith(f) for f in CONVERTER_FILES) and m.isfile()]
+            vendored = f"{archive.getnames()[0].split('/')[0]}/vendor/llama.cpp/"
+            members = [m for m in archive.getmembers() if m.isfile() and m.name.startswith(vendored)
+                       and m.name.removeprefix(vendored).startswith(CONVERTER_FILES)]
             for member in members:
-                member.name = member.name.removeprefix(prefix + "vendor/llama.cpp/")
+                member.name = member.name.removeprefix(vendored)
             archive.extractall(tree, members=members, filter="data")
     return script
 
@@ -119,20 +118,13 @@ def run_llama_cpp(config: LlamaCppConfig, gguf: Path, ids: list[int], new_tokens
         llm.close()
 
 
-class PluginEngine:
+class PluginEngine(PluginLLM):
     """The plugin's engine in one dtype, every request under ``auto``'s settings for its length."""
 
     def __init__(self, model: str, dtype: str, max_model_len: int):
-        from vllm import LLM
-
-        from rope_plugins.frontend.engine_args import engine_kwargs
-        from rope_plugins.rules.settings import engine_defaults
-
-        self.dtype = dtype
-        self.llm = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, dtype=dtype, max_model_len=max_model_len,
-                                       kv_cache_memory_bytes=3 << 30, max_num_batched_tokens=max_model_len, seed=0))
-        self.defaults = engine_defaults(self.llm.llm_engine.vllm_config.model_config.hf_config)
-        self.train_length = self.defaults.train_length
+        super().__init__(model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory_bytes=3 << 30,
+                         max_num_batched_tokens=max_model_len, seed=0)
+        self.dtype, self.train_length = dtype, self.defaults.train_length
 
     @property
     def name(self) -> str:
@@ -146,20 +138,15 @@ class PluginEngine:
     def seconds(self, ids: list[int], max_tokens: int) -> float:
         from vllm import SamplingParams
 
-        from rope_plugins.frontend.engine_args import extension_request
-        from rope_plugins.rules.settings import parse_settings
-
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        settings = parse_settings(self.settings(len(ids) + max_tokens), self.defaults)
-        prompt, params = extension_request({"prompt_token_ids": ids}, params, settings)
+        prompts, params = self.requests([{"prompt_token_ids": ids}], [params], [self.settings(len(ids) + max_tokens)])
         began = time.perf_counter()
-        self.llm.generate([prompt], params, use_tqdm=False)
+        self.llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - began
 
     def run(self, ids: list[int], new_tokens: int) -> dict[str, float]:
         """Prefill of the fresh prompt, then 1 and 1 + N tokens on it cached (N tokens' decode)."""
-        prefill = self.seconds(ids, 1)
-        one, many = self.seconds(ids, 1), self.seconds(ids, 1 + new_tokens)
+        prefill, one, many = self.seconds(ids, 1), self.seconds(ids, 1), self.seconds(ids, 1 + new_tokens)
         return {"prefill": prefill, "tpot": (many - one) / new_tokens, "end_to_end": prefill + many - one}
 
 
@@ -192,9 +179,7 @@ class Comparison:
         compute_on_every_core()
         longest = max(args.lengths) + args.new_tokens + 64
         self.engines = [PluginEngine(str(model), dtype, longest) for dtype in args.plugin_dtypes]
-        self.llama_cpp = llama_cpp_configs()
-        self.report = {"date": harness.now(),
-                       "machine": harness.machine(), "threads": args.threads,
+        self.report = {"date": harness.now(), "machine": harness.machine(), "threads": args.threads,
                        "model": model.name, "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
                        "train_length": self.engines[0].train_length, "new_tokens": args.new_tokens,
                        "lengths": args.lengths, "llama_cpp_defaults": "f16 KV cache, n_batch 512, greedy",
@@ -206,11 +191,7 @@ class Comparison:
     def jobs(self, index: int) -> list:
         """Every configuration once: the plugin first (what each row is compared with, so a run
         stopped midway still has it), then llama.cpp's, the first moving on by one per length."""
-        shift = index % len(self.llama_cpp)
-        return [*self.engines, *self.llama_cpp[shift:], *self.llama_cpp[:shift]]
-
-    def done(self, job, length: int) -> bool:
-        return str(length) in self.report["runs"].get(job.name, {})
+        return [*self.engines, *rotated(LLAMA_CPP_CONFIGS, index)]
 
     def measure(self, job, ids: list[int]) -> dict[str, float]:
         if isinstance(job, PluginEngine):
@@ -223,8 +204,6 @@ class Comparison:
     def run(self) -> dict:
         from tqdm import tqdm
 
-        from bench.speed import random_prompt
-
         rng, args = random.Random(0), self.args
         vocab = self.engines[0].llm.llm_engine.vllm_config.model_config.get_vocab_size()
         self.engines[0].seconds([5] * 64, 2)  # warm-up: first-call work
@@ -232,18 +211,14 @@ class Comparison:
             for index, length in enumerate(args.lengths):
                 ids = random_prompt(rng, vocab, length)
                 for job in self.jobs(index):
-                    if self.done(job, length):  # --resume: measured by the run before
+                    if str(length) in self.report["runs"].get(job.name, {}):  # --resume: measured by the run before
                         bar.update()
                         continue
                     bar.set_postfix(length=length, config=job.name)
                     self.report["runs"].setdefault(job.name, {})[str(length)] = self.measure(job, ids)
-                    self.write()
+                    harness.write_json(self.report, args.out)
                     bar.update()
         return self.report
-
-    def write(self) -> None:
-        self.args.out.parent.mkdir(parents=True, exist_ok=True)
-        harness.write_json(self.report, self.args.out)
 
 
 def plot(report: dict, path: Path) -> None:

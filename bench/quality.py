@@ -26,11 +26,10 @@ from typing import Any
 
 from bench import harness
 from rope_plugins.plugin import FP8_CACHE_DTYPES
-from rope_plugins.rules.settings import AUTO, ExtensionSettings, length_factor, positions_used
+from rope_plugins.rules.settings import AUTO, METHOD_NAMES, ExtensionSettings, length_factor, positions_used
 
 RESULTS = harness.RESULTS
-METHODS = ["none", "pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn", "rerope", "leaky_rerope", "self_extend",
-           "ntk_dynamic", "string", "dual_chunk", "auto"]
+METHODS = [*METHOD_NAMES, "auto"]
 SIZED_METHODS = ["pi", "ntk_old", "ntk_fixed", "ntk_mixed", "yarn"]
 TRAIN_LENGTH = 8192
 QUICK_LENGTH = 9216  # --quick: one length past training, the loss only
@@ -57,6 +56,11 @@ AUTO_CANDIDATES = [
 # the candidates whose repeat and passkeys are measured too: the loss against finding a fact far back
 RETRIEVAL_CANDIDATES = [{"method": "leaky_rerope", "window": TRAIN_LENGTH // 2, "log_n": True},
                         {"method": "self_extend", "window": TRAIN_LENGTH // 2, "group": 8}]
+# at the first length past training: ReRoPE's and Leaky ReRoPE's windows beside the default quarter,
+# Self-Extend's group beside 8, ntk_mixed's beta beside 0.625
+ABLATIONS = [*({"method": m, "window": TRAIN_LENGTH // k} for m in ("rerope", "leaky_rerope") for k in (8, 2)),
+             *({"method": "self_extend", "group": g} for g in (4, 16)),
+             *({"method": "ntk_mixed", "beta": b} for b in (0.5, 0.75, 1.0))]
 
 
 def configs(methods: list[str], log_n_too: bool) -> list[dict]:
@@ -65,14 +69,6 @@ def configs(methods: list[str], log_n_too: bool) -> list[dict]:
     grid = [{"method": m} for m in methods]
     grid += [{"method": m, "factor": "auto"} for m in methods if m in SIZED_METHODS]
     return grid + ([{**s, "log_n": True} for s in grid if s["method"] != "auto"] if log_n_too else [])
-
-
-def ablations() -> list[dict]:
-    """ReRoPE's and Leaky ReRoPE's windows beside the default quarter, Self-Extend's group beside 8,
-    ntk_mixed's beta beside 0.625."""
-    windows = [{"method": m, "window": TRAIN_LENGTH // k} for m in ("rerope", "leaky_rerope") for k in (8, 2)]
-    return (windows + [{"method": "self_extend", "group": g} for g in (4, 16)]
-            + [{"method": "ntk_mixed", "beta": b} for b in (0.5, 0.75, 1.0)])
 
 
 def is_the_fixed_factor(job: tuple) -> bool:
@@ -108,7 +104,7 @@ def plan(lengths: list[int], grid: list[dict], depths: list[float], keys: int,
 
     extra = past and with_ablations
     search = losses(past + long, AUTO_CANDIDATES) + details(past + long, RETRIEVAL_CANDIDATES) if extra else []
-    jobs = (search + losses(short, grid) + (losses([first_past], ablations()) if extra else [])
+    jobs = (search + losses(short, grid) + (losses([first_past], ABLATIONS) if extra else [])
             + details(within, unsized) + losses(long, plain) + losses(long, scaled) + details(past, plain)
             + details(past, scaled) + details(long, plain) + details(long, scaled))
     return [job for job in jobs if not is_the_fixed_factor(job)]
@@ -120,12 +116,12 @@ def label(settings: dict) -> str:
 
 
 def job_key(job: tuple) -> tuple:
-    """(test, label, length, sample): a planned measurement's identity in the results log."""
-    return job[0], label(job[1]), job[2], job[4] if job[0] == "passkey" else 0
+    """(test, length, sample, label): a planned measurement's identity in the results log."""
+    return job[0], job[2], job[4] if job[0] == "passkey" else 0, label(job[1])
 
 
 def record_key(record: dict) -> tuple:
-    return record["test"], record["label"], record["length"], record.get("sample", 0)
+    return record["test"], record["length"], record["sample"], record["label"]
 
 
 def loss_window(tokens: list[int], length: int) -> tuple[list[int], int]:
@@ -155,13 +151,11 @@ class Evaluator:
         return response.raise_for_status().json()["tokens"]
 
     def run(self, job: tuple) -> None:
-        """Measures the job and appends its record to the results log."""
-        key = job_key(job)
         test, settings, length, *passkey_at = job
         began = time.perf_counter()
         values = getattr(self, test)(settings, length, *passkey_at)
-        harness.append_log(self.runs, {"test": test, "label": key[1], "settings": settings, "length": length,
-                                       "sample": key[3], **values, "tokenizer": self.split,
+        harness.append_log(self.runs, {"test": test, "label": label(settings), "settings": settings, "length": length,
+                                       "sample": job_key(job)[2], **values, "tokenizer": self.split,
                                        "seconds": round(time.perf_counter() - began, 1), "date": harness.now()})
 
     def complete(self, prompt: list[int], settings: dict, **fields) -> tuple[Any, dict]:
@@ -210,12 +204,6 @@ def tokenizer_split() -> str:
                       for part in split.get("pretokenizers", [split]))
 
 
-def current_records(runs: Path) -> list[dict]:
-    """The log's records, but a loss scored on another text (an older definition of the loss text)."""
-    return [r for r in harness.read_log(runs)
-            if r["test"] != "loss" or r.get("text_end") == max(r["length"], LOSS_TEXT_END)]
-
-
 def summarize(records: list[dict]) -> dict:
     rows: dict[tuple, dict] = {}
     for r in records:
@@ -236,8 +224,7 @@ def summarize(records: list[dict]) -> dict:
 
 def is_default(row: dict) -> bool:
     """A method at its defaults (with or without log-n, or its factor sized to the request)."""
-    return not set(row["settings"]) - {"method", "log_n"} - ({"factor"} if row["settings"].get("factor") == AUTO
-                                                              else set())
+    return {k: v for k, v in row["settings"].items() if k not in ("method", "log_n")} in ({}, {"factor": AUTO})
 
 
 def ordered_labels(rows: list[dict]) -> list[str]:
@@ -263,9 +250,8 @@ def quality_table(rows: list[dict]) -> str:
 
 
 def markdown(report: dict) -> str:
-    """A results file as bench/README.md shows it: the loss (mean NLL of the last 4,096 tokens; lower
-    is better) and the passkeys found of the methods at their defaults, with and without log-n (the
-    factors sized to the request, every other setting and the accuracies are in the JSON)."""
+    """A results file as bench/README.md shows it: the loss and passkeys of the methods at their defaults,
+    with and without log-n (the factors sized to the request, other settings and the accuracies: in the JSON)."""
     done = report["measurements_planned"] - report["measurements_missing"]
     tokenizer = f", tokenizer {report['tokenizer']}" if report.get("tokenizer") else ""
     shown = [r for r in report["rows"] if is_default(r) and r["settings"].get("factor") != AUTO]
@@ -286,24 +272,22 @@ def plot(report: dict, path: Path) -> None:
     lengths = sorted({r["length"] for r in rows})
     colours = dict(zip(METHODS, plt.cm.tab20.colors[0::2] + plt.cm.tab20.colors[1::2]))
     figure, axes = plt.subplots(1, 2, figsize=(16, 5.5))
-    for axis, key in zip(axes, ("nll", "passkey")):
+    titles = ("loss (NLL of the last 4k tokens)", "passkeys found (share)")
+    for axis, key, title in zip(axes, ("nll", "passkey"), titles):
         for name in ordered_labels(rows):
             points = [(lengths.index(r["length"]), r[key]) for r in rows
                       if r["label"] == name and r.get(key) is not None]
             style = {(False, False): "-", (True, False): "--", (False, True): ":", (True, True): "-."}[
                 "log_n" in name, "factor=auto" in name]
             if points:
-                axis.plot(*zip(*points), style, marker="o", markersize=3, label=name,
-                          color=colours[name.split("(")[0]])
+                axis.plot(*zip(*points), style, marker="o", markersize=3, label=name, color=colours[name.split("(")[0]])
         axis.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
-        axis.set_xlabel("context tokens")
+        axis.set(xlabel="context tokens", title=title)
         axis.grid(alpha=0.3)
     losses = [r["nll"] for r in rows if r.get("nll") is not None]
     if losses:  # a collapsed method (plain RoPE past training) would flatten the rest
         middle = statistics.median(losses)
         axes[0].set_ylim(min(losses) - 0.02, min(max(losses), middle + 4 * (middle - min(losses))) + 0.02)
-    axes[0].set_title("loss (NLL of the last 4k tokens)")
-    axes[1].set_title("passkeys found (share)")
     handles, names = axes[0].get_legend_handles_labels()
     if handles:
         figure.legend(handles, names, fontsize=7, loc="center right", title="dashed: log-n; dotted: factor auto")
@@ -323,7 +307,7 @@ def settings_argument(text: str) -> dict:
     return settings
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_LENGTH:,} tokens, every method's loss")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -348,11 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-minutes", type=float, help="start nothing that would end after this")
     parser.add_argument("--table", action="store_true", help="only the summary files, from the results log")
     parser.add_argument("--readme", action="store_true", help="also rewrite the stem's bench/README.md block")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     suffixes = [kind for kind, plain in ((args.dtype, "float32"), (args.kv_cache_dtype, "auto")) if kind != plain]
     stem = args.stem or "_".join(["eval_quick" if args.quick else "eval", *suffixes])
     runs = args.out_dir / f"{stem}_runs.jsonl"
@@ -370,16 +350,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args: argparse.Namespace, stem: str, runs: Path, jobs: list[tuple]) -> None:
     """The jobs the log lacks, against ``--url`` or a server started for them."""
-    records = current_records(runs)
+    records = harness.read_log(runs)
     done = {record_key(r) for r in records}
     to_do = [job for job in jobs if job_key(job) not in done]
-
-    def cost(job_or_record) -> tuple:  # a passkey's time depends on its place in its depth order
-        if isinstance(job_or_record, dict):
-            return job_or_record["test"], job_or_record["length"], job_or_record.get("sample", 0)
-        return job_or_record[0], job_or_record[2], job_key(job_or_record)[3]
-
-    expected = harness.expected_seconds([cost(job) for job in to_do], [(cost(r), r["seconds"]) for r in records])
+    # the time of a (test, length, sample): a passkey's depends on its place in its depth order
+    expected = harness.expected_seconds([job_key(job)[:3] for job in to_do],
+                                        [(record_key(r)[:3], r["seconds"]) for r in records])
     served = max(job[2] for job in jobs) + 64
     flags = ["--max-model-len", str(1 << (served - 1).bit_length()), "--kv-cache-memory", str(3 << 30),
              "--max-num-seqs", "2", "--log-level", "warning", "--dtype", args.dtype,
@@ -393,7 +369,7 @@ def measure(args: argparse.Namespace, stem: str, runs: Path, jobs: list[tuple]) 
 def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, document: bool = False) -> int:
     """The summary files from the results log alone (no server needed); with ``document``, its
     block of bench/README.md too."""
-    records = current_records(runs)
+    records = harness.read_log(runs)
     if not records:
         print(f"no results log at {runs}: nothing measured yet", file=sys.stderr)
         return 1

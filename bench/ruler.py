@@ -16,7 +16,7 @@ or above 85.6% of the model's own 4k score (RULER's bar, Llama-2-7B's 4k score, 
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import math
 import os
 import statistics
@@ -43,48 +43,33 @@ Z95 = 1.959964
 GENERATED_TOKENS = 128  # RULER's longest answer (niah's max_gen_toks)
 
 
-def grid(train_length: int, lengths: list[int]) -> list[tuple[int, dict]]:
-    """(length, setting) pairs: every setting, and with log-n past the training length, and auto."""
-    pairs = []
-    for length in lengths:
-        log_n = [False, True] if length > train_length else [False]
-        pairs += [(length, {**setting, **({"log_n": True} if on else {})}) for on in log_n for setting in SETTINGS]
-        pairs.append((length, {"method": "auto"}))
-    return pairs
-
-
 def label(setting: dict) -> str:
-    fields = ", ".join(f"{k}={v}" for k, v in setting.items() if k not in ("method", "train_length"))
+    fields = ", ".join(f"{k}={v}" for k, v in setting.items() if k != "method")
     return setting["method"] + (f"({fields})" if fields else "")
 
 
 def plan(model: str, own_train_length: int, lengths: list[int], tasks: list[str]) -> list[dict]:
-    """Every run of one model: its (length, setting) pairs, shortest first, each over ``tasks``
-    (one lm-eval run: its start is paid once for them all)."""
+    """Every run of one model, shortest first: every setting, again with log-n past the (pretend)
+    training length, and auto; each over ``tasks`` (one lm-eval run: its start is paid once for them all)."""
     pretend = MODELS.get(model)
-    train_length = pretend or own_train_length
     jobs = []
-    for length, setting in grid(train_length, lengths):
-        named = {**setting, "train_length": pretend} if pretend else setting
-        plain = label({name: value for name, value in setting.items() if name != "log_n"})
-        jobs.append({"model": model, "tasks": tasks, "length": length, "settings": named, "label": label(setting),
-                     "without_log_n": plain})
+    for length in lengths:
+        past = [{**s, "log_n": True} for s in SETTINGS] if length > (pretend or own_train_length) else []
+        for setting in [*SETTINGS, *past, {"method": "auto"}]:
+            plain = {k: v for k, v in setting.items() if k != "log_n"}
+            jobs.append({"model": model, "tasks": tasks, "length": length,
+                         "settings": {**setting, **({"train_length": pretend} if pretend else {})},
+                         "label": label(setting), "without_log_n": label(plain)})
     return jobs
 
 
 def chosen(jobs: list[dict], settings: list[str] | None) -> list[dict]:
     """The jobs of the settings labelled ``settings`` (all, for None); an unknown label is an error."""
-    if settings is None:
-        return jobs
-    unknown = sorted(set(settings) - {job["label"] for job in jobs})
-    if unknown:
-        labels = ", ".join(dict.fromkeys(job["label"] for job in jobs))
-        raise SystemExit(f"--settings: no setting labelled {', '.join(unknown)} at these lengths; the labels: {labels}")
-    return [job for job in jobs if job["label"] in settings]
-
-
-def key(record: dict, task: str | None = None) -> tuple:
-    return record["model"], task or record["task"], record["length"], record["label"]
+    labels = list(dict.fromkeys(job["label"] for job in jobs))
+    if unknown := sorted(set(settings or labels) - set(labels)):
+        raise SystemExit(f"--settings: no setting labelled {', '.join(unknown)} at these lengths; "
+                         f"the labels: {', '.join(labels)}")
+    return [job for job in jobs if job["label"] in (settings or labels)]
 
 
 def records(runs: Path) -> list[dict]:
@@ -95,18 +80,19 @@ def records(runs: Path) -> list[dict]:
             for record in logged for task, scores in record["scores"].items()]
 
 
-def still_to_do(jobs: list[dict], runs: Path, samples: int) -> list[dict]:
-    """The jobs with a task the log holds no run of with at least ``samples`` samples, each with those tasks."""
-    done = {key(r) for r in records(runs) if r["n"] >= samples}
-    left = [{**job, "tasks": [task for task in job["tasks"] if key(job, task) not in done]} for job in jobs]
+def still_to_do(jobs: list[dict], log: list[dict], samples: int) -> list[dict]:
+    """The jobs with a task ``log`` (:func:`records`) holds no run of with at least ``samples`` samples,
+    each with those tasks."""
+    done = {(r["model"], r["length"], r["label"], r["task"]) for r in log if r["n"] >= samples}
+    left = [{**job, "tasks": [t for t in job["tasks"] if (job["model"], job["length"], job["label"], t) not in done]}
+            for job in jobs]
     return [job for job in left if job["tasks"]]
 
 
 def after_a_zero(jobs: list[dict], log: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The jobs to run, and those left out because their setting scored 0 on every one of their
-    tasks at a shorter length of the same model (``log``: :func:`records`): past training a score
-    falls with the length, so a setting that found nothing at 16k is not given 33 minutes to find
-    nothing at 32k."""
+    """The jobs to run, and those left out because their setting scored 0 on every one of their tasks
+    at a shorter length of the same model (``log``: :func:`records`): past training a score falls with
+    the length, so a setting that found nothing at 16k is not given 33 minutes to find nothing at 32k."""
     zero = {(r["model"], r["task"], r["label"], r["length"]) for r in log if r["score"] == 0}
     kept, skipped = [], []
     for job in jobs:
@@ -114,27 +100,6 @@ def after_a_zero(jobs: list[dict], log: list[dict]) -> tuple[list[dict], list[di
                          for shorter in LENGTHS if shorter < job["length"]) for task in job["tasks"])
         (skipped if failed else kept).append(job)
     return kept, skipped
-
-
-def run_job(job: dict, base: str, served: str, tokenizer: Path, samples: int, scratch: Path,
-            api_key: str | None) -> dict:
-    """One lm-eval run of the job against the server at ``base`` serving the model as ``served``:
-    its record (per-sample scores, seconds)."""
-    from rope_plugins.testing.lm_eval_runs import run_lm_eval
-
-    length = job["length"]
-    model_args = {"model": served, "base_url": f"{base}/v1/completions", "tokenizer": tokenizer,
-                  "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_length": length + GENERATED_TOKENS,
-                  "timeout": 7200}
-    began = time.perf_counter()
-    result = run_lm_eval("local-completions", model_args, job["tasks"], scratch, api_key=api_key,
-                         timeout=6 * 3600, limit=samples, gen_kwargs={"context_extension": job["settings"]},
-                         metadata={"max_seq_lengths": [length], "pretrained": str(tokenizer)})
-    scores = {task: [float(sample[str(length)]) for sample in found["samples"]]
-              for task, found in result["tasks"].items()}
-    return {**{k: v for k, v in job.items() if k != "tasks"}, "scores": scores,
-            "seconds": round(time.perf_counter() - began, 1),
-            "date": harness.now()}
 
 
 def expected_seconds(job: dict, log: list[dict], samples: int) -> float:
@@ -146,9 +111,10 @@ def expected_seconds(job: dict, log: list[dict], samples: int) -> float:
 
 
 def measure(args: argparse.Namespace, jobs: list[dict], work: list[float]) -> None:
-    """The model's jobs (``work``: each one's expected seconds) against ``--url`` or a server started
-    for them, each appended to the log as it ends."""
+    """The model's jobs (``work``: each one's expected seconds), each one lm-eval run against ``--url``
+    or a server started for them, its per-sample scores appended to the log as it ends."""
     from rope_plugins.models.provision import provision
+    from rope_plugins.testing.lm_eval_runs import run_lm_eval
 
     flags = ["--model", args.model, "--max-model-len", str(max(job["length"] for job in jobs) + 2 * GENERATED_TOKENS),
              "--kv-cache-memory", str(3 << 30), "--max-num-seqs", "2", "--log-level", "warning"]
@@ -157,9 +123,19 @@ def measure(args: argparse.Namespace, jobs: list[dict], work: list[float]) -> No
         tokenizer, served = provision(args.model), harness.served_model(base, api_key)
 
         def run(job: dict) -> None:
+            length, began = job["length"], time.perf_counter()
+            model_args = {"model": served, "base_url": f"{base}/v1/completions", "tokenizer": tokenizer,
+                          "tokenizer_backend": "huggingface", "num_concurrent": 1,
+                          "max_length": length + GENERATED_TOKENS, "timeout": 7200}
             with tempfile.TemporaryDirectory(prefix="ruler_lm_eval_") as scratch:  # lm-eval's own outputs
-                harness.append_log(args.runs, run_job(job, base, served, tokenizer, args.samples, Path(scratch),
-                                                      api_key))
+                result = run_lm_eval("local-completions", model_args, job["tasks"], Path(scratch), api_key=api_key,
+                                     timeout=6 * 3600, limit=args.samples,
+                                     gen_kwargs={"context_extension": job["settings"]},
+                                     metadata={"max_seq_lengths": [length], "pretrained": str(tokenizer)})
+            scores = {task: [float(sample[str(length)]) for sample in found["samples"]]
+                      for task, found in result["tasks"].items()}
+            harness.append_log(args.runs, {**{k: v for k, v in job.items() if k != "tasks"}, "scores": scores,
+                                           "seconds": round(time.perf_counter() - began, 1), "date": harness.now()})
 
         harness.run_grid(jobs, work, run, lambda job: f"{job['label']} {job['length']}", f"RULER {args.model}",
                          args.budget_minutes)
@@ -185,12 +161,8 @@ def cell(runs: list[dict]) -> dict:
 
 def effective_length(scores: dict[int, float], own_4k: float) -> int:
     """The longest length up to which every score stays at or above THRESHOLD x the model's own 4k score."""
-    longest = 0
-    for length in sorted(scores):
-        if scores[length] < THRESHOLD * own_4k:
-            break
-        longest = length
-    return longest
+    held = list(itertools.takewhile(lambda length: scores[length] >= THRESHOLD * own_4k, sorted(scores)))
+    return held[-1] if held else 0
 
 
 def summarize_model(runs: list[dict], tasks: list[str]) -> dict:
@@ -202,13 +174,12 @@ def summarize_model(runs: list[dict], tasks: list[str]) -> dict:
     cells = {f"{name} @ {length}": {"setting": name, "length": length, **cell(found)}
              for (name, length), found in by_cell.items() if {r["task"] for r in found} >= set(tasks)}
     own = cells.get("none @ 4096", {}).get("score")
-    without_log_n = {run["label"]: run["without_log_n"] for run in runs}
-    order = [label(setting) for setting in SETTINGS] + ["auto"]
-    rank = lambda name: (order.index(without_log_n[name]) if without_log_n[name] in order else len(order),  # noqa: E731
-                         name != without_log_n[name], name)
-    settings = sorted(without_log_n, key=rank)
     for c in cells.values():
         c["of_own_4k"] = round(c["score"] / own, 3) if own else None
+    without_log_n = {run["label"]: run["without_log_n"] for run in runs}
+    order = {name: rank for rank, name in enumerate([*map(label, SETTINGS), "auto"])}  # any other last
+    settings = sorted(without_log_n, key=lambda name: (order.get(without_log_n[name], len(order)),
+                                                       name != without_log_n[name], name))
     # inside training a log-n row is its row without log-n (not run twice): below the first length of any log-n row
     past_training = min((c["length"] for c in cells.values() if c["setting"] != without_log_n[c["setting"]]),
                         default=math.inf)
@@ -233,13 +204,10 @@ def summarize(log: list[dict], tasks: list[str], meta: dict) -> dict:
             "models": {model: summarize_model([r for r in log if r["model"] == model], tasks) for model in models}}
 
 
-def model_table(name: str, model: dict, lengths: list[int]) -> list[str]:
+def model_table(name: str, model: dict, lengths: list[int]) -> str:
     """One model's settings x lengths: each score (the mean over the tasks) and its interval, and the
     effective length."""
-    own = model["own_4k"]
-    lines = [f"**{name}** (its own 4k score, plain RoPE: {own:.3f})" if own is not None else f"**{name}**", "",
-             "| setting | " + " | ".join(f"{length // 1024}k" for length in lengths) + " | effective length |",
-             "| --- | " + " | ".join("---" for _ in lengths) + " | --- |"]
+    rows = []
     for setting in model["settings"]:
         cells, zero_at = [], None
         for length in lengths:
@@ -249,22 +217,20 @@ def model_table(name: str, model: dict, lengths: list[int]) -> list[str]:
             zero_at = zero_at or (length if c and c["score"] == 0 else None)
         effective = model["effective_length"].get(setting)
         shown = "" if effective is None else f"{effective // 1024}k" if effective else f"below {lengths[0] // 1024}k"
-        shown = f"at least {shown}" if setting in model.get("effective_at_least", []) else shown
-        lines.append(f"| {setting} | " + " | ".join(cells) + f" | {shown} |")
-    return lines
+        rows.append([setting, *cells, f"at least {shown}" if setting in model["effective_at_least"] else shown])
+    own = "" if model["own_4k"] is None else f" (its own 4k score, plain RoPE: {model['own_4k']:.3f})"
+    return f"**{name}**{own}\n\n" + harness.markdown_table(
+        ["setting", *(f"{length // 1024}k" for length in lengths), "effective length"], rows)
 
 
 def markdown(report: dict) -> str:
     """ruler.json as bench/README.md shows it."""
-    lengths = report.get("lengths") or sorted({c["length"] for m in report["models"].values()
-                                               for c in m["cells"].values()})
-    lines = [f"Measured on {report['machine']}, {report['measured_hours']:.1f} h of runs, tasks "
-             f"{', '.join(report['tasks'])}: the mean score [95% Wilson interval, "
-             f"{'/'.join(map(str, report['samples_per_run']))} samples a task]; blank: not measured. Effective "
-             f"length: the longest scoring at least {report['threshold']:.1%} of the model's own 4k score."]
-    for name, model in report["models"].items():
-        lines += [""] + model_table(name, model, lengths)
-    return "\n".join(lines)
+    head = (f"Measured on {report['machine']}, {report['measured_hours']:.1f} h of runs, tasks "
+            f"{', '.join(report['tasks'])}: the mean score [95% Wilson interval, "
+            f"{'/'.join(map(str, report['samples_per_run']))} samples a task]; blank: not measured. Effective "
+            f"length: the longest scoring at least {report['threshold']:.1%} of the model's own 4k score.")
+    tables = [model_table(name, model, report["lengths"]) for name, model in report["models"].items()]
+    return "\n\n".join([head, *tables])
 
 
 def plot(report: dict, path: Path) -> None:
@@ -302,7 +268,7 @@ def report(args: argparse.Namespace) -> int:
     tasks = args.tasks or [task for task in TASKS if task in {r["task"] for r in log}]
     lengths = args.lengths or sorted({r["length"] for r in log})
     summary = summarize(log, tasks, {"machine": harness.machine(), "lengths": lengths})
-    (args.out_dir / f"{STEM}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    harness.write_json(summary, args.out_dir / f"{STEM}.json")
     plot(summary, args.out_dir / f"{STEM}.png")
     text = markdown(summary)
     print(text)
@@ -313,7 +279,7 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=next(iter(MODELS)), choices=list(MODELS))
     parser.add_argument("--lengths", type=int, nargs="+", help=f"default: {LENGTHS} (--table: those in the log)")
@@ -333,11 +299,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--readme", action="store_true", help="also rewrite the ruler.json block of bench/README.md")
     args = parser.parse_args(argv)
     args.runs = args.runs or args.out_dir / f"{STEM}_runs.jsonl"
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     if not args.table:
         from transformers import AutoConfig
 
@@ -345,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         from rope_plugins.rules.checkpoint import declared_train_length
 
         own = declared_train_length(AutoConfig.from_pretrained(provision(args.model)))
-        jobs = still_to_do(chosen(plan(args.model, own, args.lengths or LENGTHS, args.tasks or TASKS), args.settings),
-                           args.runs, args.samples)
         log = records(args.runs)
+        jobs = still_to_do(chosen(plan(args.model, own, args.lengths or LENGTHS, args.tasks or TASKS), args.settings),
+                           log, args.samples)
         if not args.after_zero:
             jobs, skipped = after_a_zero(jobs, log)
             for job in skipped:

@@ -17,6 +17,7 @@ and time per output token at p50 and p99, plotted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
+from rope_plugins.rules.settings import METHOD_NAMES
 
 RESULTS = harness.RESULTS
 MODEL = "SmolLM2-135M-Instruct"
@@ -34,8 +36,7 @@ RUNNING = 8  # make run's --max-num-seqs
 CLIENTS = 4 * RUNNING
 SERVED = 32768  # make run's --max-model-len
 OUTPUT_TOKENS = 24
-METHODS = ["auto", "none", "rerope", "leaky_rerope", "self_extend", "string", "dual_chunk", "ntk_old", "ntk_fixed",
-           "ntk_mixed", "ntk_dynamic", "pi", "yarn"]
+METHODS = ["auto", *METHOD_NAMES]
 SCHEMA = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 24}}, "required": ["topic"]}
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"term": {"type": "string", "maxLength": 24}}, "required": ["term"]}}}
@@ -64,15 +65,16 @@ def draw_request(rng: random.Random, tokens: list[int], tokenizer) -> tuple[str,
         body["seed"] = rng.randrange(2**31)
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
+    abandon = body["stream"] and rng.random() < 0.25
     if rng.random() < 0.3:
-        return "/v1/completions", {**body, "prompt": text}, body["stream"] and rng.random() < 0.25, length
+        return "/v1/completions", {**body, "prompt": text}, abandon, length
     body["messages"] = [{"role": "user", "content": text + "\n\nWhat is this text about?"}]
     roll = rng.random()
     if roll < 0.2:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "about", "schema": SCHEMA}}
     elif roll < 0.35:
         body.update(tools=[TOOL], tool_choice="required", max_tokens=48)
-    return "/v1/chat/completions", body, body["stream"] and rng.random() < 0.25, length
+    return "/v1/chat/completions", body, abandon, length
 
 
 def measure(client, route: str, body: dict[str, Any], abandon: bool) -> dict[str, Any]:
@@ -81,13 +83,11 @@ def measure(client, route: str, body: dict[str, Any], abandon: bool) -> dict[str
     record = {"t_s": None, "route": route, "method": body["context_extension"]["method"], "stream": body["stream"],
               "abandoned": False, "status": None, "server_error": False, "ttft_s": None, "tpot_s": None}
     if not body["stream"]:
-        response = client.post(route, json=body)
-        record.update(status=response.status_code, server_error=response.status_code >= 500)
-        return record
+        status = client.post(route, json=body).status_code
+        return {**record, "status": status, "server_error": status >= 500}
+    chunks = []  # when each one came
     with client.stream("POST", route, json=body) as response:
         record["status"] = response.status_code
-        first = last = None
-        chunks = 0
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -96,15 +96,14 @@ def measure(client, route: str, body: dict[str, Any], abandon: bool) -> dict[str
                 record["server_error"] = event["error"].get("type") == "server_error"
                 break
             if event.get("choices"):
-                now = time.monotonic()
-                first, last, chunks = first or now, now, chunks + 1
-                if abandon and chunks >= 3:
+                chunks.append(time.monotonic())
+                if abandon and len(chunks) >= 3:
                     record["abandoned"] = True
                     break
         record["server_error"] = record["server_error"] or response.status_code >= 500
-    if first is not None:
-        record["ttft_s"] = round(first - began, 3)
-        record["tpot_s"] = round((last - first) / (chunks - 1), 4) if chunks > 1 else None
+    if chunks:
+        record["ttft_s"] = round(chunks[0] - began, 3)
+        record["tpot_s"] = round((chunks[-1] - chunks[0]) / (len(chunks) - 1), 4) if len(chunks) > 1 else None
     return record
 
 
@@ -123,40 +122,42 @@ def client_loop(base: str, seed: int, deadline: float, began: float, tokens, tok
             records.append({**record, "t_s": round(sent, 1), "prompt_tokens": length})
 
 
-def warm_up(base: str, tokens: list[int], tokenizer, methods: list[str]) -> dict[str, Any]:
-    """One completion per method at the served maximum, all at once; what they took."""
+def warm_up(base: str, pid: int, tokens: list[int], tokenizer, methods: list[str]) -> dict[str, Any]:
+    """One completion per method at the served maximum, all at once; what they took, and the
+    memory of the server (``pid``) before and after."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
     length = SERVED - 4 * OUTPUT_TOKENS
     prompt = tokenizer.decode(tokens[:length])
-    began = time.monotonic()
+    before, began = memory_sample(pid, 0.0)["rss_mib"], time.monotonic()
     with httpx.Client(base_url=base, timeout=7200) as client, ThreadPoolExecutor(len(methods)) as pool:
         statuses = list(pool.map(lambda method: client.post("/v1/completions", json={
             "model": MODEL, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
             "context_extension": {"method": method}}).status_code, methods))
     return {"methods": methods, "prompt_tokens": length, "statuses": statuses,
-            "seconds": round(time.monotonic() - began, 1)}
+            "seconds": round(time.monotonic() - began, 1), "rss_before_mib": before,
+            "rss_after_mib": memory_sample(pid, 0.0)["rss_mib"]}
 
 
-def tree_rss(pid: int) -> dict[str, dict[str, float]]:
-    """Resident memory of a process and each of its descendants, in MiB, by process name (the
-    supervisor is the root; vLLM names its engine core's process): all of it, and the part that
-    is no file's (``anon``: what a leak grows; mapped libraries and shared memory are the rest)."""
+def memory_sample(pid: int, t_s: float) -> dict:
+    """Resident memory of the supervisor (``pid``) and each of its descendants, in MiB by process
+    name (vLLM names its engine core's process): all of it, and the part that is no file's
+    (``anon``: what a leak grows; mapped libraries and shared memory are the rest)."""
     import psutil
 
-    sizes: dict[str, Counter] = {"rss": Counter(), "anon": Counter()}
+    rss, anon = Counter(), Counter()
     root = psutil.Process(pid)
     for process in [root, *root.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             name = "supervisor" if process.pid == pid else process.name()
             memory = process.memory_info()
-            sizes["rss"][name] += memory.rss / 2**20
-            sizes["anon"][name] += (memory.rss - memory.shared) / 2**20
-        except psutil.NoSuchProcess:
-            pass
-    return {kind: {name: round(size, 1) for name, size in by_name.items()} for kind, by_name in sizes.items()}
+            rss[name] += memory.rss / 2**20
+            anon[name] += (memory.rss - memory.shared) / 2**20
+    by_process, anon_by_process = ({name: round(size, 1) for name, size in sizes.items()} for sizes in (rss, anon))
+    return {"t_s": round(t_s, 1), "rss_mib": round(sum(by_process.values()), 1), "by_process": by_process,
+            "anon_by_process": anon_by_process}
 
 
 def worker_allocator(log_text: str, began: float) -> list[dict]:
@@ -167,17 +168,6 @@ def worker_allocator(log_text: str, began: float) -> list[dict]:
     lines = [parse_memory_line(line) for line in log_text.splitlines()]
     return [{"t_s": round(line.pop("time") - began, 1), "allocator": line} for line in lines
             if line is not None and line["time"] >= began]
-
-
-def sample_memory(pid: int, every: float, stop: threading.Event, began: float, samples: list[dict]) -> None:
-    while not stop.wait(every):
-        samples.append(memory_sample(pid, time.monotonic() - began))
-
-
-def memory_sample(pid: int, t_s: float) -> dict:
-    sizes = tree_rss(pid)
-    return {"t_s": round(t_s, 1), "rss_mib": round(sum(sizes["rss"].values()), 1), "by_process": sizes["rss"],
-            "anon_by_process": sizes["anon"]}
 
 
 def rss_slope(samples: list[dict], process: str | None = None, kind: str = "by_process") -> dict[str, float]:
@@ -197,32 +187,26 @@ def rss_slope(samples: list[dict], process: str | None = None, kind: str = "by_p
     low, high = (low, high) if math.isfinite(low) and math.isfinite(high) else (fit.params[1], fit.params[1])
     # + 0.0: a slope of -0.0 reads as +0
     return {"mib_per_hour": round(float(fit.params[1]), 1) + 0.0, "low": round(float(low), 1) + 0.0,
-            "high": round(float(high), 1) + 0.0,
-            "samples": len(half)}
+            "high": round(float(high), 1) + 0.0, "samples": len(half)}
 
 
 def slopes_by_process(samples: list[dict], kind: str = "by_process") -> dict[str, dict[str, float]]:
-    """Each process's slope of one kind of memory (runs from before the samples named processes, or
-    split them: none)."""
+    """Each process's slope of one kind of memory (none where the samples name no processes)."""
     return {name: rss_slope(samples, name, kind) for name in samples[-1].get(kind, {})}
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    from rope_plugins.deploy.loadtest import nearest_rank
-
-    return nearest_rank(sorted(values), q) if values else None
 
 
 def windows(records: list[dict], minutes: float) -> list[dict]:
     """TTFT and time per output token at p50 and p99, by WINDOW_MINUTES of sending time."""
+    from rope_plugins.deploy.loadtest import nearest_rank
+
     rows = []
     for start in range(0, int(math.ceil(minutes)), WINDOW_MINUTES):
         inside = [r for r in records if start * 60 <= r["t_s"] < (start + WINDOW_MINUTES) * 60]
-        ttft = [r["ttft_s"] for r in inside if r.get("ttft_s") is not None]
-        tpot = [r["tpot_s"] for r in inside if r.get("tpot_s") is not None]
-        rows.append({"from_min": start, "requests": len(inside),
-                     "ttft_p50": quantile(ttft, 0.5), "ttft_p99": quantile(ttft, 0.99),
-                     "tpot_p50": quantile(tpot, 0.5), "tpot_p99": quantile(tpot, 0.99)})
+        row = {"from_min": start, "requests": len(inside)}
+        for name in ("ttft", "tpot"):
+            values = sorted(r[f"{name}_s"] for r in inside if r.get(f"{name}_s") is not None)
+            row |= {f"{name}_p{round(100 * q)}": nearest_rank(values, q) if values else None for q in (0.5, 0.99)}
+        rows.append(row)
     return rows
 
 
@@ -233,7 +217,7 @@ def plot(report: dict, path: Path) -> None:
     samples, slope = report["rss"], report["rss_slope"]
     series = [("RSS, all processes", samples, lambda s: s["rss_mib"]),
               ("worker RSS", samples, lambda s: s["by_process"].get("VLLM::Worker")),
-              ("worker live heap", report.get("worker_allocator") or [], lambda s: s["allocator"].get("allocated"))]
+              ("worker live heap", report["worker_allocator"], lambda s: s["allocator"].get("allocated"))]
     for label, points, size in series:
         points = [(p["t_s"] / 60, size(p)) for p in points if size(p) is not None]
         if points:
@@ -242,11 +226,10 @@ def plot(report: dict, path: Path) -> None:
     memory.set(xlabel="minutes", ylabel="MiB since the start", title=f"RSS: {slope['mib_per_hour']:+.0f} MiB/h "
                f"[{slope['low']:+.0f}, {slope['high']:+.0f}] (second half)")
     middle = [w["from_min"] + WINDOW_MINUTES / 2 for w in report["windows"]]
-    for axis, name, unit in ((ttft, "ttft", "s"), (tpot, "tpot", "s")):
+    for axis, name, title in ((ttft, "ttft", "time to first token"), (tpot, "tpot", "time per output token")):
         for q, style in (("p50", "-o"), ("p99", "--o")):
             axis.plot(middle, [w[f"{name}_{q}"] for w in report["windows"]], style, label=q)
-        axis.set(xlabel="minutes", ylabel=unit, title="time to first token" if name == "ttft" else
-                 "time per output token")
+        axis.set(xlabel="minutes", ylabel="s", title=title)
         axis.legend()
     for axis in (memory, ttft, tpot):
         axis.grid(alpha=0.3)
@@ -262,49 +245,50 @@ def shown_slope(slope: dict[str, float], unit: str = " MiB/h") -> str:
 
 def markdown(report: dict) -> str:
     """soak.json as bench/README.md shows it."""
-    slope = report["rss_slope"]
+    slope, warm, samples = report["rss_slope"], report["warm_up"], report["rss"]
     statuses = ", ".join(f"{status}: {count:,}" for status, count in report["answers_by_status"].items())
-    rows = [("requests sent", f"{report['requests']:,} in {report['minutes']:.0f} min ({statuses}); "
-                              f"{report['abandoned']} streams dropped midway on purpose"),
-            ("longest prompt sent", f"{max(report['prompt_tokens']):,} tokens (served maximum {SERVED:,})"),
-            ("answered 5xx", f"{report['server_errors']}"), ("engine restarts", f"{report['restarts']}"),
-            ("tracebacks in the server's log", f"{report['tracebacks_in_log']}"),
-            ("RSS, supervisor + server + engine",
-             f"{report['rss_start_mib']:.0f} MiB at the start, {report['rss_peak_mib']:.0f} peak, "
-             f"{report['rss_end_mib']:.0f} at the end"),
-            ("RSS slope, second half", f"{slope['mib_per_hour']:+.0f} MiB/h, 95% interval [{slope['low']:+.0f}, "
-                                       f"{slope['high']:+.0f}] ({slope['samples']} samples)")]
-    by_process = slopes_by_process(report.get("rss") or [{}])
-    if by_process:
+    rows = [("before the clock", f"one prompt of {warm['prompt_tokens']:,} tokens per kernel path "
+                                 f"({', '.join(warm['methods'])}), {warm['seconds'] / 60:.0f} min")] if warm else []
+    rows += [("requests sent", f"{report['requests']:,} in {report['minutes']:.0f} min ({statuses}); "
+                               f"{report['abandoned']} streams dropped midway on purpose"),
+             ("longest prompt sent", f"{max(report['prompt_tokens']):,} tokens (served maximum {SERVED:,})"),
+             ("answered 5xx", f"{report['server_errors']}"), ("engine restarts", f"{report['restarts']}"),
+             ("tracebacks in the server's log", f"{report['tracebacks_in_log']}"),
+             ("RSS, supervisor + server + engine",
+              f"{report['rss_start_mib']:.0f} MiB at the start, {report['rss_peak_mib']:.0f} peak, "
+              f"{report['rss_end_mib']:.0f} at the end"),
+             ("RSS slope, second half", f"{slope['mib_per_hour']:+.0f} MiB/h, 95% interval [{slope['low']:+.0f}, "
+                                        f"{slope['high']:+.0f}] ({slope['samples']} samples)")]
+    if by_process := slopes_by_process(samples):
         rows.append(("RSS slope by process", ", ".join(f"{PROCESS_NAMES.get(name, name)} {shown_slope(each, '')}"
                                                        for name, each in by_process.items())))
-    anonymous = slopes_by_process(report.get("rss") or [{}], "anon_by_process").get("VLLM::Worker")
-    if anonymous:
+    if anonymous := slopes_by_process(samples, "anon_by_process").get("VLLM::Worker"):
         rows.append(("the worker's anonymous memory", shown_slope(anonymous)))
-    if report.get("allocated_slope"):
+    if report["allocated_slope"]:
         rows.append(("the worker's live heap (its allocator's count)", shown_slope(report["allocated_slope"])))
-    warm = report.get("warm_up")
-    if warm:
-        rows.insert(0, ("before the clock", f"one prompt of {warm['prompt_tokens']:,} tokens per kernel path "
-                                            f"({', '.join(warm['methods'])}), {warm['seconds'] / 60:.0f} min"))
     return (f"Measured {report['date'][:10]} ({MODEL}, make run's defaults under its supervisor): {report['clients']} "
             "clients, prompts of 1,024 tokens to the served maximum (density ∝ 1/length²), every method, seeds, JSON "
             "schemas, forced tool calls, streams (a quarter dropped midway):\n\n"
             + harness.markdown_table(["measured", "value"], rows))
 
 
-def follow(threads: list[threading.Thread], records: list[dict], samples: list[dict], began: float,
-           minutes: float, drain_s: float = 900) -> None:
-    """Wait for the clients: the sending time, then up to ``drain_s`` for the answers in flight, with a
-    progress bar of minutes and the counts so far."""
+def follow(pid: int, threads: list[threading.Thread], records: list[dict], began: float, minutes: float,
+           every: float, drain_s: float = 900) -> list[dict]:
+    """Start the clients and sample the server's memory (``pid``) every ``every`` seconds until they end
+    (the sending time, then up to ``drain_s`` for the answers in flight), under a progress bar."""
     from tqdm import tqdm
 
+    samples = [memory_sample(pid, 0.0)]
+    for thread in threads:
+        thread.start()
     with tqdm(total=round(minutes), desc="soak", unit="min") as bar:
         while any(t.is_alive() for t in threads) and time.monotonic() < began + minutes * 60 + drain_s:
-            time.sleep(5)
+            time.sleep(every)
+            samples.append(memory_sample(pid, time.monotonic() - began))
             bar.n = min(round(minutes), int((time.monotonic() - began) / 60))
             bar.set_postfix(answered=len(records), server_errors=sum(r["server_error"] for r in records),
                             rss_mib=samples[-1]["rss_mib"], clients=sum(t.is_alive() for t in threads))
+    return samples
 
 
 def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bool) -> dict:
@@ -322,24 +306,13 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
     head = harness.header()  # the commit the server runs, before anything can change the checkout
     server = start_server(["--log-level", "warning"], log, supervised=True,
                           env={INTERVAL_VARIABLE: str(sample_seconds)})
-    before = sum(tree_rss(server.process.pid)["rss"].values())
-    warmed = warm_up(server.base, tokens, tokenizer, WARM_UP_METHODS) if warm else None
-    if warmed:
-        warmed.update(rss_before_mib=round(before, 1),
-                      rss_after_mib=round(sum(tree_rss(server.process.pid)["rss"].values()), 1))
-        print(f"warm-up: {warmed}", flush=True)
-    records, samples, stop = [], [], threading.Event()
+    warmed = warm_up(server.base, server.process.pid, tokens, tokenizer, WARM_UP_METHODS) if warm else None
+    print(f"warm-up: {warmed or 'none (--no-warm-up)'}", flush=True)
+    records: list[dict] = []
     began, began_epoch = time.monotonic(), time.time()
-    samples.append(memory_sample(server.process.pid, 0.0))
-    sampler = threading.Thread(target=sample_memory, args=(server.process.pid, sample_seconds, stop, began, samples),
-                               daemon=True)
-    sampler.start()
     threads = [threading.Thread(target=client_loop, args=(server.base, seed, began + minutes * 60, began, tokens,
                                                           tokenizer, records), daemon=True) for seed in range(clients)]
-    for thread in threads:
-        thread.start()
-    follow(threads, records, samples, began, minutes)
-    stop.set()
+    samples = follow(server.process.pid, threads, records, began, minutes, sample_seconds)
     unfinished = sum(thread.is_alive() for thread in threads)
     server.stop()
     text = log.read_text()
@@ -347,8 +320,8 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
     return {**head, "minutes": minutes, "clients": clients, "warm_up": warmed,
             "requests": len(records), "prompt_tokens": [r["prompt_tokens"] for r in records],
             "answers_by_status": dict(Counter(str(r["status"]) for r in records)),
-            "server_errors": sum(r["server_error"] for r in records), "abandoned": sum(r.get("abandoned", False)
-                                                                                      for r in records),
+            "server_errors": sum(r["server_error"] for r in records),
+            "abandoned": sum(r.get("abandoned", False) for r in records),
             "unfinished_at_the_end": unfinished, "restarts": text.count("starting it again"),
             "tracebacks_in_log": text.count("Traceback"), "rss_start_mib": samples[0]["rss_mib"],
             "rss_peak_mib": max(s["rss_mib"] for s in samples), "rss_end_mib": samples[-1]["rss_mib"],

@@ -28,12 +28,10 @@ from rope_plugins.plugin import FP8_CACHE_DTYPES
 RESULTS = harness.RESULTS
 KV_BYTES = 3 << 30
 CONFIGS = ["stock", "rerope", "leaky_rerope", "ntk_mixed"]
-# the targets against stock in the same dtype at every main length of 16k and more (time ratios;
-# the batch's throughput ratio): float32's from the issue that made it free, bfloat16's from issue 35
-TARGETS = {"float32": {"prefill": {"rerope": 1.15, "leaky_rerope": 1.15, "ntk_mixed": 1.10},
-                       "tpot": {"rerope": 1.10, "leaky_rerope": 1.10, "ntk_mixed": 1.10}, "batch": 0.95},
-           "bfloat16": {"prefill": {"rerope": 1.05, "leaky_rerope": 1.05, "ntk_mixed": 1.05},
-                        "tpot": {"rerope": 1.00, "leaky_rerope": 1.00, "ntk_mixed": 1.00}, "batch": 1.0}}
+# the targets against stock in the same dtype (time ratios at every main length of 16k and more: a
+# --cached run's TPOT; the batch's throughput ratio): float32's from the issue that made it free,
+# bfloat16's from issue 35
+TARGETS = {"float32": {"tpot": 1.10, "batch": 0.95}, "bfloat16": {"tpot": 1.00, "batch": 1.0}}
 # an fp8 cache's targets (issue 54), TPOT at every length of a --cached run: against stock's fp8,
 # and against the plugin's own cache in the model's dtype (its "@auto-cache" configurations)
 FP8_TPOT_TARGETS = {"stock": 1.0, "auto_cache": 0.8}
@@ -48,82 +46,31 @@ def random_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     return [rng.randrange(100, min(vocab, 40000)) for _ in range(length)]
 
 
-class SideBySide:
-    """Stock vLLM and the plugin's engine in one process, each request timed by its
-    configuration: ``"stock"``, or a method's name for the plugin (the request's settings,
-    salted for the prefix cache like any other's)."""
+class PluginLLM:
+    """The plugin's engine (its default ReRoPE, so that a request's settings alone say what serves)
+    and its requests, each prompt under its own settings fields over the engine's defaults."""
 
-    def __init__(self, model: str, longest: int, dtype: str, attention_precision: str | None,
-                 kv_cache_dtype: str = "auto") -> None:
-        """Both engines on every core, with the same engine arguments: a context of ``longest``
-        tokens rounded up to a power of two, a whole long prompt in at most two steps. Stock
-        vLLM's ``max_position_embeddings`` is raised to that so that it accepts as long a prompt;
-        the plugin's default method is ReRoPE."""
-        # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
-        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
+    def __init__(self, model: str, **engine) -> None:
         from vllm import LLM
 
-        from rope_plugins.frontend.engine_args import compute_on_every_core, engine_kwargs
+        from rope_plugins.frontend.engine_args import engine_kwargs
         from rope_plugins.rules.settings import engine_defaults
 
-        compute_on_every_core()
-        served = 1 << (longest - 1).bit_length()
-        common = dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=served,
-                      max_num_batched_tokens=max(served // 2, 8192), seed=0, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-        self.stock = LLM(model=model, hf_overrides={"max_position_embeddings": served}, **common)
-        self.plugin = LLM(**engine_kwargs(model, defaults={"method": "rerope"},
-                                          attention_precision=attention_precision, **common))
-        # an fp8 run also times the plugin on a cache of the model's dtype: the fp8 cache's own gain
-        self.plugin_auto_cache = None if kv_cache_dtype == "auto" else LLM(**engine_kwargs(
-            model, defaults={"method": "rerope"}, attention_precision=attention_precision,
-            **{**common, "kv_cache_dtype": "auto"}))
-        self.configs = CONFIGS + ([f"{c}{AUTO_CACHE}" for c in CONFIGS[1:]] if self.plugin_auto_cache else [])
-        self.defaults = engine_defaults(self.plugin.llm_engine.vllm_config.model_config.hf_config)
-        self.vocab = self.plugin.llm_engine.vllm_config.model_config.get_vocab_size()
+        self.llm = LLM(**engine_kwargs(model, defaults={"method": "rerope"}, **engine))
+        self.defaults = engine_defaults(self.llm.llm_engine.vllm_config.model_config.hf_config)
 
-    def prompt(self, rng: random.Random, length: int) -> list[int]:
-        return random_prompt(rng, self.vocab, length)
-
-    def requests(self, config: str, prompts: list[list[int]], params) -> tuple[object, list, list]:
-        """The engine of ``config`` and its requests of ``prompts``: stock's as they are, the
-        plugin's under ``config`` (a method's name, or each prompt's settings fields)."""
+    def requests(self, prompts: list[dict], params: list, fields: list[dict]) -> tuple[list, list]:
+        """vLLM's prompts and sampling parameters of ``prompts`` and ``params`` under ``fields``,
+        salted for the prefix cache like any other request's."""
         from rope_plugins.frontend.engine_args import extension_request
         from rope_plugins.rules.settings import parse_settings
 
-        if config == "stock":
-            return self.stock, [{"prompt_token_ids": ids} for ids in prompts], [params] * len(prompts)
-        engine = self.plugin
-        if isinstance(config, str) and config.endswith(AUTO_CACHE):
-            engine, config = self.plugin_auto_cache, config.removesuffix(AUTO_CACHE)
-        fields = [{"method": config}] * len(prompts) if isinstance(config, str) else config
-        built = [extension_request({"prompt_token_ids": ids}, params, parse_settings(f, self.defaults))
-                 for ids, f in zip(prompts, fields)]
-        return engine, [b[0] for b in built], [b[1] for b in built]
-
-    def run(self, config, prompts: list[list[int]], max_tokens: int) -> float:
-        """Seconds for requests of ``prompts`` and ``max_tokens`` new tokens each (greedy, past EOS)."""
-        from vllm import SamplingParams
-
-        llm, built, params = self.requests(config, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                            ignore_eos=True))
-        began = time.perf_counter()
-        llm.generate(built, params, use_tqdm=False)
-        return time.perf_counter() - began
-
-    def warm_up(self) -> None:
-        """A short request per engine (compilation, first-call work)."""
-        self.run("stock", [[5] * 64], 2), self.run("rerope", [[5] * 64], 2)
-
-    def tpot(self, config: str, ids: list[int], decode_tokens: int) -> float:
-        """Seconds per output token on the cached prompt ``ids``, from 1 and 1 + ``decode_tokens`` new tokens."""
-        one = self.run(config, [ids], 1)
-        return (self.run(config, [ids], 1 + decode_tokens) - one) / decode_tokens
+        built = [extension_request(prompt, sp, parse_settings(f, self.defaults))
+                 for prompt, sp, f in zip(prompts, params, fields)]
+        return [prompt for prompt, _ in built], [sp for _, sp in built]
 
 
-DTYPES = ["float32", "bfloat16", "float16"]
-
-
-def rotated(configs: list[str], rep: int) -> list[str]:
+def rotated(configs: list, rep: int) -> list:
     """The configurations in the order of repetition ``rep``: the first moves on by one each time."""
     shift = rep % len(configs)
     return configs[shift:] + configs[:shift]
@@ -140,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
     parser.add_argument("--cached", action="store_true",
                         help="the decode alone, each repetition on the same cached prompt (default out: tpot_<dtype>)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="both engines' model dtype (weights, activations and KV cache)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", *FP8_CACHE_DTYPES], default="auto",
                         help="both engines' KV cache (auto: the model's dtype)")
@@ -162,64 +109,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    run = SpeedRun.start(args)
+    run = SpeedRun(args)
     rng = random.Random(0)
-    run.engines.warm_up()
+    run.run("stock", [[5] * 64], 2)  # a short request per engine: compilation, first-call work
+    run.run("rerope", [[5] * 64], 2)
     if args.cached:
-        engines = {"stock": run.engines.stock, "plugin": run.engines.plugin,
-                   "plugin_auto_cache": run.engines.plugin_auto_cache}
-        head = {**run.head(), "kv_bytes_per_token": {name: kv_bytes_per_token(llm) for name, llm in engines.items()
-                                                     if llm is not None}}
-        print(cached_markdown(measure_cached(run.engines, args, head)))
-        return
-    run.measure_batch(rng)
-    run.measure_lengths(rng)
-    run.write_report()
+        run.measure_cached(rng)
+    else:
+        run.measure_batch(rng)
+        run.measure_lengths(rng)
     report = json.loads(args.out.read_text())  # as bench/README.md reads it: lengths as strings
-    plot(report, args.out.with_suffix(".png"))
-    print(markdown(report))
-
-
-def model_dtype(args: argparse.Namespace) -> str:
-    """The model's dtype as the report names it, with the plugin's attention precision where it applies (16 bits)."""
-    if args.dtype == "float32":
-        return args.dtype
-    return f"{args.dtype}; the plugin's attention precision {args.attention_precision}"
-
-
-def kv_bytes_per_token(llm) -> float:
-    cache = llm.llm_engine.vllm_config.cache_config
-    return KV_BYTES / (cache.num_gpu_blocks * cache.block_size)
+    if not args.cached:
+        plot(report, args.out.with_suffix(".png"))
+    print((cached_markdown if args.cached else markdown)(report))
 
 
 class SpeedRun:
-    """A run's two engines and what it has measured so far: per configuration, length and
-    kind ("prefill", "tpot") the seconds of each repetition, and the batch's tokens per second."""
+    """Stock vLLM and the plugin's engine in one process, each request timed by its configuration
+    (``"stock"``, or a method's name for the plugin), and what the run has measured so far: per
+    configuration and length the seconds of each repetition, by kind ("prefill", "tpot";
+    ``--cached``: TPOT alone), and the batch's tokens per second."""
 
-    def __init__(self, args: argparse.Namespace, engines: SideBySide):
-        self.args, self.engines = args, engines
-        self.all_lengths = sorted(set(args.lengths + args.scaling_lengths))
-        self.samples: dict[str, dict[int, dict[str, list[float]]]] = {
-            c: {n: {"prefill": [], "tpot": []} for n in self.all_lengths} for c in CONFIGS}
-        self.batch: dict[str, list[float]] = {"plugin_mixed": [], "stock_plain": []}
+    def __init__(self, args: argparse.Namespace) -> None:
+        """Both engines on the default model on every core, with the same engine arguments: a
+        context long enough for every length (the batch's too) and the decode tokens, rounded up
+        to a power of two; a whole long prompt in at most two steps. Stock vLLM's
+        ``max_position_embeddings`` is raised to that so that it accepts as long a prompt."""
+        # a whole 32k prompt is one engine step, which on a CPU can outlast vLLM's default step timeout
+        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
+        from vllm import LLM
 
-    @classmethod
-    def start(cls, args: argparse.Namespace) -> SpeedRun:
-        """The engines on the default model, long enough for every length (the batch's too) and the decode tokens."""
+        from rope_plugins.frontend.engine_args import compute_on_every_core
         from rope_plugins.models.provision import provision_default_model
 
-        batch = [] if args.cached else [BATCH_LENGTH]
-        longest = max(args.lengths + args.scaling_lengths + batch) + args.decode_tokens + 64
-        return cls(args, SideBySide(str(provision_default_model()), longest, args.dtype, args.attention_precision,
-                                    args.kv_cache_dtype))
+        lengths = args.lengths + args.scaling_lengths + ([] if args.cached else [BATCH_LENGTH])
+        served, model = 1 << (max(lengths) + args.decode_tokens + 64 - 1).bit_length(), str(provision_default_model())
+        compute_on_every_core()
+        common = dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=served,
+                      max_num_batched_tokens=max(served // 2, 8192), seed=0, dtype=args.dtype,
+                      kv_cache_dtype=args.kv_cache_dtype)
+        self.stock = LLM(model=model, hf_overrides={"max_position_embeddings": served}, **common)
+        self.plugin = PluginLLM(model, attention_precision=args.attention_precision, **common)
+        # an fp8 run also times the plugin on a cache of the model's dtype: the fp8 cache's own gain
+        self.plugin_auto_cache = None if args.kv_cache_dtype == "auto" else PluginLLM(
+            model, attention_precision=args.attention_precision, **{**common, "kv_cache_dtype": "auto"})
+        self.configs = CONFIGS + ([f"{c}{AUTO_CACHE}" for c in CONFIGS[1:]] if self.plugin_auto_cache else [])
+        self.vocab = self.plugin.llm.llm_engine.vllm_config.model_config.get_vocab_size()
+        self.args, self.all_lengths = args, sorted(set(args.lengths + args.scaling_lengths))
+        self.samples: dict[str, dict[int, dict | list]] = (
+            {c: {n: [] for n in args.lengths} for c in self.configs} if args.cached else
+            {c: {n: {"prefill": [], "tpot": []} for n in self.all_lengths} for c in CONFIGS})
+        self.batch: dict[str, list[float]] = {"plugin_mixed": [], "stock_plain": []}
+
+    def run(self, config, prompts: list[list[int]], max_tokens: int) -> float:
+        """Seconds for requests of ``prompts`` and ``max_tokens`` new tokens each (greedy, past EOS):
+        stock's as they are, the plugin's under ``config`` (a method's name, or each prompt's settings fields)."""
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": ids} for ids in prompts]
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)] * len(prompts)
+        llm, plugin = self.stock, self.plugin
+        if isinstance(config, str) and config.endswith(AUTO_CACHE):
+            plugin, config = self.plugin_auto_cache, config.removesuffix(AUTO_CACHE)
+        if config != "stock":
+            fields = [{"method": config}] * len(prompts) if isinstance(config, str) else config
+            llm, (prompts, params) = plugin.llm, plugin.requests(prompts, params, fields)
+        began = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - began
+
+    def tpot(self, config: str, ids: list[int]) -> float:
+        """Seconds per output token on the cached prompt ``ids``, from 1 and 1 + ``--decode-tokens`` new tokens."""
+        one = self.run(config, [ids], 1)
+        return (self.run(config, [ids], 1 + self.args.decode_tokens) - one) / self.args.decode_tokens
 
     def measure_batch(self, rng: random.Random) -> None:
         """A batch of 8 concurrent requests, mixed settings vs 8 plain ones on stock vLLM, once
         per repetition (which goes first alternates)."""
         for rep in range(self.args.reps):
-            prompts = [self.engines.prompt(rng, BATCH_LENGTH) for _ in BATCH_MIX]
+            prompts = [random_prompt(rng, self.vocab, BATCH_LENGTH) for _ in BATCH_MIX]
             for name, config in [("plugin_mixed", BATCH_MIX), ("stock_plain", "stock")][::1 if rep % 2 == 0 else -1]:
-                seconds = self.engines.run(config, prompts, BATCH_TOKENS)
+                seconds = self.run(config, prompts, BATCH_TOKENS)
                 self.batch[name].append(len(prompts) * BATCH_TOKENS / seconds)
 
     def measure_lengths(self, rng: random.Random) -> None:
@@ -234,113 +204,105 @@ class SpeedRun:
         with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
             for rep, n, configs in jobs:
                 for config in rotated(configs, rep):
-                    ids = self.engines.prompt(rng, n)
-                    prefill = self.engines.run(config, [ids], 1)  # the fresh prompt: one step's worth of new tokens
-                    tpot = self.engines.tpot(config, ids, args.decode_tokens)
+                    ids = random_prompt(rng, self.vocab, n)
+                    prefill = self.run(config, [ids], 1)  # the fresh prompt: one step's worth of new tokens
+                    tpot = self.tpot(config, ids)
                     self.samples[config][n]["prefill"].append(prefill)
                     self.samples[config][n]["tpot"].append(tpot)
                     bar.set_postfix(length=n, config=config)
                     bar.update()
                     self.write_report()
 
-    def medians(self, config: str, lengths: list[int]) -> dict:
-        samples = self.samples[config]
-        return {n: {k: statistics.median(v) for k, v in samples[n].items()} for n in lengths
-                if samples[n]["prefill"] and samples[n]["tpot"]}
+    def measure_cached(self, rng: random.Random) -> None:
+        """``--cached``: per configuration and length, ``--reps`` TPOT samples on one cached prompt;
+        the report written after every length."""
+        from tqdm import tqdm
+
+        args, configs = self.args, self.configs
+        with tqdm(total=len(args.lengths) * len(configs) * (args.reps + 1), desc="tpot", unit="run") as bar:
+            for n in args.lengths:
+                prompts = {config: random_prompt(rng, self.vocab, n) for config in configs}
+                for config in configs:  # the prefill that puts each prompt in its engine's cache
+                    self.run(config, [prompts[config]], 1)
+                    bar.update()
+                for rep in range(args.reps):
+                    for config in rotated(configs, rep):
+                        self.samples[config][n].append(self.tpot(config, prompts[config]))
+                        bar.set_postfix(length=n, config=config)
+                        bar.update()
+                self.write_report()
 
     def head(self) -> dict:
         """What every report of this run says first: what ran, and how."""
         args = self.args
+        precision = "" if args.dtype == "float32" else f"; the plugin's attention precision {args.attention_precision}"
+        llms = {"stock": self.stock, "plugin": self.plugin.llm,
+                **({"plugin_auto_cache": self.plugin_auto_cache.llm} if self.plugin_auto_cache else {})}
+        caches = {name: llm.llm_engine.vllm_config.cache_config for name, llm in llms.items()}
+        kv_bytes = {name: KV_BYTES / (cache.num_gpu_blocks * cache.block_size) for name, cache in caches.items()}
         return {"date": harness.now(), "machine": harness.machine(),
-                "model": f"SmolLM2-135M-Instruct ({model_dtype(args)})", "dtype": args.dtype,
+                "model": f"SmolLM2-135M-Instruct ({args.dtype}{precision})", "dtype": args.dtype,
                 "attention_precision": args.attention_precision, "kv_cache_dtype": args.kv_cache_dtype,
-                "reps": args.reps,
-                "decode_tokens": args.decode_tokens, "lengths": args.lengths}
+                "reps": args.reps, "decode_tokens": args.decode_tokens, "lengths": args.lengths,
+                "kv_bytes_per_token": kv_bytes}
 
     def report(self) -> dict:
-        """The report from what has been measured so far."""
-        samples, batch, median = self.samples, self.batch, statistics.median
-        args = self.args
-        report = {
-            **self.head(), "scaling_lengths": self.all_lengths,
-            "median": {c: self.medians(c, args.lengths) for c in CONFIGS},
-            "ratio_to_stock": {c: {n: {k: median(samples[c][n][k]) / median(samples["stock"][n][k])
-                                       for k in ("prefill", "tpot")}
-                                   for n in self.medians(c, args.lengths) if n in self.medians("stock", args.lengths)}
-                               for c in CONFIGS if c != "stock"},
-            "scaling": {c: self.medians(c, self.all_lengths) for c in CONFIGS[:2]},
-            "samples": samples,
-            "batch8": {"length": BATCH_LENGTH, "new_tokens": BATCH_TOKENS,
-                       "tokens_per_second": {k: median(v) for k, v in batch.items()},
-                       "throughput_ratio": median(batch["plugin_mixed"]) / median(batch["stock_plain"])},
-            "kv_bytes_per_token": {"stock": kv_bytes_per_token(self.engines.stock),
-                                   "plugin": kv_bytes_per_token(self.engines.plugin)},
-        }
-        return report
+        """The report from what has been measured so far: ``--cached``'s the summary of its samples;
+        else that of the main lengths, then the scaling sweep's medians, all samples and the batch."""
+        if self.args.cached:
+            return summary(self.samples, self.head())
+        main = {c: {n: by_length[n] for n in self.args.lengths} for c, by_length in self.samples.items()}
+        batch = medians(self.batch)
+        return {**summary(main, self.head()), "scaling_lengths": self.all_lengths,
+                "scaling": {c: medians(self.samples[c]) for c in CONFIGS[:2]}, "samples": self.samples,
+                "batch8": {"length": BATCH_LENGTH, "new_tokens": BATCH_TOKENS, "tokens_per_second": batch,
+                           "throughput_ratio": batch["plugin_mixed"] / batch["stock_plain"]}}
 
-    def write_report(self) -> dict:
+    def write_report(self) -> None:
         """The report, written to ``--out`` (after every run, so a run that dies keeps its results)."""
-        report = self.report()
-        self.args.out.parent.mkdir(parents=True, exist_ok=True)
-        harness.write_json(report, self.args.out)
-        return report
+        harness.write_json(self.report(), self.args.out)
 
 
-def measure_cached(engines: SideBySide, args: argparse.Namespace, head: dict) -> dict:
-    """``--cached``: per configuration and length, ``--reps`` TPOT samples on one cached prompt;
-    the report written after every length."""
-    from tqdm import tqdm
-
-    configs = engines.configs
-    rng, samples = random.Random(0), {c: {} for c in configs}
-    with tqdm(total=len(args.lengths) * len(configs) * (args.reps + 1), desc="tpot", unit="run") as bar:
-        for n in args.lengths:
-            prompts = {config: engines.prompt(rng, n) for config in configs}
-            for config in configs:  # the prefill that puts each prompt in its engine's cache
-                engines.run(config, [prompts[config]], 1)
-                bar.update()
-            for rep in range(args.reps):
-                for config in rotated(configs, rep):
-                    samples[config].setdefault(str(n), []).append(engines.tpot(config, prompts[config],
-                                                                               args.decode_tokens))
-                    bar.set_postfix(length=n, config=config)
-                    bar.update()
-            report = cached_summary(samples, head)
-            harness.write_json(report, args.out)
-    return report
+def medians(samples: dict) -> dict:
+    """The median of every list in a nest of dicts of samples, the nesting kept; those with none yet left out."""
+    nested = {k: medians(v) if isinstance(v, dict) else statistics.median(v) for k, v in samples.items() if v}
+    return {k: v for k, v in nested.items() if v != {}}
 
 
-def cached_summary(samples: dict[str, dict[str, list[float]]], head: dict) -> dict:
-    """Medians, ratios to stock's median (and, with an fp8 cache, each method's to its own on a
-    cache of the model's dtype) and the samples (seconds per token), by configuration and length."""
-    median = {c: {n: statistics.median(v) for n, v in by_length.items()} for c, by_length in samples.items()}
-    ratio = {c: {n: median[c][n] / median["stock"][n] for n in median[c]} for c in median if c != "stock"}
-    to_auto = {c: {n: median[c][n] / median[c + AUTO_CACHE][n] for n in median[c]} for c in median
-               if c + AUTO_CACHE in median}
-    return {**head, "date": harness.now(), "median": median, "ratio_to_stock": ratio,
+def ratios(values: dict, to: dict) -> dict:
+    """``values`` over ``to``, leaf by leaf in two nests of dicts, where both have the leaf."""
+    return {k: ratios(v, to[k]) if isinstance(v, dict) else v / to[k] for k, v in values.items() if k in to}
+
+
+def summary(samples: dict, head: dict) -> dict:
+    """``head``, then per configuration and length the medians of ``samples``, their ratios to
+    stock's (and, with an fp8 cache, each method's to its own on a cache of the model's dtype)
+    and the samples (seconds)."""
+    median = {c: medians(by_length) for c, by_length in samples.items()}
+    to_auto = {c: ratios(median[c], median[c + AUTO_CACHE]) for c in median if c + AUTO_CACHE in median}
+    to_stock = {c: ratios(by_length, median["stock"]) for c, by_length in median.items() if c != "stock"}
+    return {**head, "median": median, "ratio_to_stock": to_stock,
             **({"ratio_to_auto_cache": to_auto} if to_auto else {}), "samples": samples}
 
 
 def cached_markdown(report: dict) -> str:
     """A ``--cached`` report as bench/README.md shows it: a table of medians and the targets read
     (an fp8 run's also against the plugin on a cache of the model's dtype)."""
-    targets, to_auto = TARGETS[report["dtype"]]["tpot"], report.get("ratio_to_auto_cache", {})
+    to_stock, to_auto = report["ratio_to_stock"], report.get("ratio_to_auto_cache", {})
     rows = [[f"{int(n) // 1024}k", config, f"{report['median'][config][n] * 1e3:.1f}",
-             f"{1.0 if config == 'stock' else report['ratio_to_stock'][config][n]:.2f}",
+             f"{1.0 if config == 'stock' else to_stock[config][n]:.2f}",
              *([f"{to_auto[config][n]:.2f}" if config in to_auto else "-"] if to_auto else [])]
             for n in map(str, report["lengths"]) for config in report["median"]]
-    limits = [("stock's time", report["ratio_to_stock"], lambda c: targets[c.removesuffix(AUTO_CACHE)])]
+    limits = [("stock's time", to_stock, TARGETS[report["dtype"]]["tpot"])]  # (against what, the ratios, the limit)
     if to_auto:  # the fp8 cache's: against stock's fp8, and its own gain
-        limits = [("stock's time on its fp8 cache", {c: r for c, r in report["ratio_to_stock"].items() if c in to_auto},
-                   lambda c: FP8_TPOT_TARGETS["stock"]),
-                  ("the plugin's time on a cache of the model's dtype", to_auto,
-                   lambda c: FP8_TPOT_TARGETS["auto_cache"])]
+        limits = [("stock's time on its fp8 cache", {c: r for c, r in to_stock.items() if c in to_auto},
+                   FP8_TPOT_TARGETS["stock"]),
+                  ("the plugin's time on a cache of the model's dtype", to_auto, FP8_TPOT_TARGETS["auto_cache"])]
     lines = []
-    for what, ratios, limit in limits:
-        missed = [f"{config} at {int(n) // 1024}k ({ratio:.2f}x)" for config, by_length in ratios.items()
-                  for n, ratio in by_length.items() if ratio > limit(config)]
-        shown = ", ".join(dict.fromkeys(f"{c.removesuffix(AUTO_CACHE)} {limit(c)}x" for c in ratios))
-        lines.append(f"- Targets (at most {shown} {what}): "
+    for what, ratios_of, limit in limits:
+        missed = [f"{config} at {int(n) // 1024}k ({ratio:.2f}x)" for config, by_length in ratios_of.items()
+                  for n, ratio in by_length.items() if ratio > limit]
+        lines.append(f"- Targets (at most {', '.join(f'{c} {limit}x' for c in ratios_of)} {what}): "
                      + ("every one met." if not missed else "not met by " + ", ".join(missed) + "."))
     columns = ["context", "config", "TPOT ms (median)", "x stock", *(["x its auto cache"] if to_auto else [])]
     cache = f"; KV caches {report['kv_cache_dtype']}, {AUTO_CACHE}: the model's dtype" if to_auto else ""

@@ -43,10 +43,8 @@ def run_config(budget: int, reserved: int | None, out_dir: Path) -> dict:
 
 
 def run_label(run: dict, runs: list[dict]) -> str:
-    label = f"{run['budget']:,}"
-    if len({r["reserved_cores"] for r in runs}) > 1:
-        label += f", {run['reserved_cores']} reserved"
-    return label
+    reserved = f", {run['reserved_cores']} reserved" if len({r["reserved_cores"] for r in runs}) > 1 else ""
+    return f"{run['budget']:,}{reserved}"
 
 
 def table(runs: list[dict]) -> str:
@@ -83,18 +81,17 @@ def plot(runs: list[dict], path: Path) -> None:
     plt = harness.pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    plain_numbers = FuncFormatter(lambda value, _: f"{value:g}")
     figure, (itl, ttft, speed) = plt.subplots(1, 3, figsize=(14, 4.2))
     names = [run_label(r, runs) for r in runs]
     width = 0.27
     for axis, key, title in ((itl, "itl_s", "gap between a request's tokens"), (ttft, "ttft_s", "time to first token")):
         for i, stat in enumerate(("median", "p90", "p99")):
-            values = [r[key][stat] for r in runs]
-            bars = axis.bar([x + (i - 1) * width for x in range(len(runs))], values, width, label=stat)
+            bars = axis.bar([x + (i - 1) * width for x in range(len(runs))], [r[key][stat] for r in runs], width,
+                            label=stat)
             axis.bar_label(bars, fmt="%.2g", fontsize=7)
         axis.set_yscale("log")
         axis.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
-        axis.yaxis.set_major_formatter(plain_numbers)
+        axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # plain numbers
         axis.yaxis.set_minor_formatter(NullFormatter())
         axis.set_ylim(top=axis.get_ylim()[1] * 4)  # room for the legend above the bars
         axis.set(title=title, ylabel="seconds (log)", xlabel="step budget (tokens)")
@@ -122,18 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replot:
         runs = json.loads(args.out.read_text())["runs"]
-        plot(runs, args.out.with_suffix(".png"))
-        print(table(runs))
-        return 0
-    runs = []
-    for budget, reserved in itertools.product(args.budgets, args.reserved_cores):
-        print(f"step budget {budget}, reserved cores {reserved if reserved is not None else 'default'}: "
-              "starting a server and the load test", flush=True)
-        runs.append(run_config(budget, reserved, args.out.parent))
-    result = {"date": harness.now(), "workload": WORKLOAD, "runs": runs}
-    harness.write_json(result, args.out)
+    else:
+        runs = []
+        for budget, reserved in itertools.product(args.budgets, args.reserved_cores):
+            print(f"step budget {budget}, reserved cores {reserved if reserved is not None else 'default'}: "
+                  "starting a server and the load test", flush=True)
+            runs.append(run_config(budget, reserved, args.out.parent))
+        harness.write_json({"date": harness.now(), "workload": WORKLOAD, "runs": runs}, args.out)
     plot(runs, args.out.with_suffix(".png"))
     print(table(runs))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

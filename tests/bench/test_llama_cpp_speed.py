@@ -11,7 +11,7 @@ from bench import llama_cpp_speed
 
 
 def report_with(plugin_seconds: float) -> dict:
-    configs = llama_cpp_speed.llama_cpp_configs()
+    configs = llama_cpp_speed.LLAMA_CPP_CONFIGS
     runs = {config.name: {"16384": {"prefill": 10.0 + i, "tpot": 0.05, "end_to_end": 20.0 + i}}
             for i, config in enumerate(configs)}
     runs["plugin auto, bfloat16"] = {"16384": {"prefill": plugin_seconds / 2, "tpot": 0.04,
@@ -30,7 +30,7 @@ def test_the_table_gives_the_plugins_time_as_a_multiple_of_each_run(plugin_secon
 
 
 def test_every_weight_runs_with_flash_attention_off_and_on():
-    names = [config.name for config in llama_cpp_speed.llama_cpp_configs()]
+    names = [config.name for config in llama_cpp_speed.LLAMA_CPP_CONFIGS]
     assert len(set(names)) == 6 and all(f"llama.cpp {w}, FA {f}" in names
                                         for w in llama_cpp_speed.WEIGHTS for f in ("on", "off"))
 
@@ -45,9 +45,8 @@ def test_generation_timing_splits_the_first_token_from_the_rest(monkeypatch):
 def test_the_plugin_runs_first_and_llama_cpp_takes_turns_first():
     """So a run stopped midway has the plugin at every length it reached, and no llama.cpp
     configuration is always first."""
-    run = object.__new__(llama_cpp_speed.Comparison)
-    run.engines, run.llama_cpp = ["plugin"], llama_cpp_speed.llama_cpp_configs()
-    orders = [run.jobs(index) for index in range(len(run.llama_cpp))]
-    assert all(order[0] == "plugin" and sorted(map(str, order[1:])) == sorted(map(str, run.llama_cpp))
-               for order in orders)
-    assert len({order[1] for order in orders}) == len(run.llama_cpp)
+    run, configs = object.__new__(llama_cpp_speed.Comparison), llama_cpp_speed.LLAMA_CPP_CONFIGS
+    run.engines = ["plugin"]
+    orders = [run.jobs(index) for index in range(len(configs))]
+    assert all(order[0] == "plugin" and sorted(map(str, order[1:])) == sorted(map(str, configs)) for order in orders)
+    assert len({order[1] for order in orders}) == len(configs)

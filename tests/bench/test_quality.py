@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import quality, readme
+from bench import harness, quality, readme
 
 LENGTHS = [4096, 8192, 16384, 32768]
 DEPTHS = [0.1, 0.5, 0.9]
@@ -30,7 +30,7 @@ def test_the_plan_holds_every_measurement_once(full_plan):
     past = 2 * (plain + scaled) * (1 + 6) - fixed * (1 + 6)  # everything at 16k and 32k
     search = 2 * len(quality.AUTO_CANDIDATES)  # auto's candidates at 16k and 32k
     retrieval = 2 * (1 + 6) * len(quality.RETRIEVAL_CANDIDATES)  # and some of them with repeat and passkeys
-    assert len(full_plan) == losses + within + past + len(quality.ablations()) + search + retrieval
+    assert len(full_plan) == losses + within + past + len(quality.ABLATIONS) + search + retrieval
 
 
 def test_the_plan_runs_the_loss_curves_first(full_plan):
@@ -110,7 +110,7 @@ def test_bench_readme_shows_the_committed_results(stem):
     """bench/README.md's block is the summary file's, and the summary file is its results log's
     (rerun `python -m bench quality [--quick] --table --readme` after measuring)."""
     results = json.loads((quality.RESULTS / f"{stem}.json").read_text())
-    log = quality.current_records(quality.RESULTS / f"{stem}_runs.jsonl")
+    log = harness.read_log(quality.RESULTS / f"{stem}_runs.jsonl")
     assert results["rows"] == quality.summarize(log)["rows"]
     assert results["date"] == max(r["date"] for r in log)
     assert readme.shown(stem) == quality.markdown(results)

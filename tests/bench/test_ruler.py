@@ -45,7 +45,7 @@ def test_a_rerun_does_only_the_tasks_the_log_lacks_with_enough_samples(tmp_path)
     runs = tmp_path / "runs.jsonl"
     runs.write_text(logged(jobs[0], {"niah_single_1": [1.0] * 10, "ruler_vt": [0.5] * 3})
                     + logged(jobs[1], {"niah_single_1": [0.0] * 10, "ruler_vt": [1.0] * 10}))
-    left = ruler.still_to_do(jobs, runs, samples=10)
+    left = ruler.still_to_do(jobs, ruler.records(runs), samples=10)
     assert left[0] == {**jobs[0], "tasks": ["ruler_vt"]}  # the one with too few samples
     assert jobs[1]["label"] not in [job["label"] for job in left] and len(left) == len(jobs) - 1
     per_task = {(r["label"], r["task"]): r for r in ruler.records(runs)}
@@ -58,7 +58,7 @@ def test_a_setting_that_scored_zero_on_every_task_is_not_run_at_longer_lengths(t
     runs = tmp_path / "runs.jsonl"
     runs.write_text(logged(at["string", 16384], {"niah_single_1": [0.0] * 10, "ruler_vt": [0.0] * 10})
                     + logged(at["yarn(factor=auto)", 16384], {"niah_single_1": [0.0] * 10, "ruler_vt": [0.1] * 10}))
-    kept, skipped = ruler.after_a_zero(ruler.still_to_do(jobs, runs, samples=10), ruler.records(runs))
+    kept, skipped = ruler.after_a_zero(ruler.still_to_do(jobs, ruler.records(runs), samples=10), ruler.records(runs))
     assert [(job["label"], job["length"]) for job in skipped] == [("string", 32768)]
     assert ("yarn(factor=auto)", 32768) in [(job["label"], job["length"]) for job in kept]  # one task above 0
     assert ("string(log_n=True)", 32768) in [(job["label"], job["length"]) for job in kept]  # its own row
@@ -120,7 +120,7 @@ def test_a_log_n_row_borrows_only_the_lengths_inside_training_and_an_open_effect
     # ReRoPE's own 32k score is not its log-n twin's: that one held up to 16k, all it has run
     assert model["effective_length"]["rerope(log_n=True)"] == 16384
     assert model["effective_at_least"] == ["rerope(log_n=True)"]
-    table = "\n".join(ruler.model_table("smollm2-135m", model, ruler.LENGTHS))
+    table = ruler.model_table("smollm2-135m", model, ruler.LENGTHS)
     assert "| rerope(log_n=True) |  |  | 1.00 [0.68, 1.00] |  | at least 16k |" in table
     assert "| none | " in table and "0.00 [0.00, 0.32] | not run: 0 at 16k | 8k |" in table
 

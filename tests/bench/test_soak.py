@@ -38,7 +38,7 @@ def test_windows_and_report_render():
               "answers_by_status": {"200": 20}, "prompt_tokens": [1024, 30000],
               "tracebacks_in_log": 0, "server_errors": 0, "abandoned": 5, "restarts": 0,
               "rss_start_mib": 5000, "rss_peak_mib": 5000, "rss_end_mib": 5000, "rss_slope": soak.rss_slope(samples),
-              "windows": windows}
+              "windows": windows, "rss": samples, "warm_up": None, "allocated_slope": None}
     text = soak.markdown(report)
     assert "| answered 5xx | 0 |" in text and "by process" not in text  # no process named
 

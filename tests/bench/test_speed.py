@@ -24,9 +24,9 @@ def test_the_table_holds_every_config_at_every_main_length_and_the_batch():
 def test_cached_medians_and_ratios_follow_the_samples_and_the_targets_are_read():
     samples = {"stock": {"16384": [0.050, 0.040, 0.060]}, "rerope": {"16384": [0.045, 0.044, 0.046]},
                "leaky_rerope": {"16384": [0.060, 0.055, 0.058]}, "ntk_mixed": {"16384": [0.050, 0.049, 0.051]}}
-    head = {"machine": "test", "model": "m", "dtype": "bfloat16", "attention_precision": "float32", "reps": 3,
-            "decode_tokens": 64, "lengths": [16384]}
-    report = speed.cached_summary(samples, head)
+    head = {"date": "2026-12-01T00:00:00+00:00", "machine": "test", "model": "m", "dtype": "bfloat16",
+            "attention_precision": "float32", "reps": 3, "decode_tokens": 64, "lengths": [16384]}
+    report = speed.summary(samples, head)
     assert report["median"]["stock"]["16384"] == 0.050
     assert abs(report["ratio_to_stock"]["leaky_rerope"]["16384"] - 1.16) < 1e-9
     table = speed.cached_markdown(report)
@@ -42,9 +42,9 @@ def test_an_fp8_run_reads_both_its_targets_against_stock_and_its_own_auto_cache(
     auto = {"rerope": 0.050, "leaky_rerope": 0.070, "ntk_mixed": 0.045}
     samples = {**{c: {"16384": [t]} for c, t in fp8.items()},
                **{c + speed.AUTO_CACHE: {"16384": [t]} for c, t in auto.items()}}
-    head = {"machine": "test", "model": "m", "dtype": "bfloat16", "kv_cache_dtype": "fp8", "reps": 1,
-            "decode_tokens": 64, "lengths": [16384]}
-    report = speed.cached_summary(samples, head)
+    head = {"date": "2026-12-01T00:00:00+00:00", "machine": "test", "model": "m", "dtype": "bfloat16",
+            "kv_cache_dtype": "fp8", "reps": 1, "decode_tokens": 64, "lengths": [16384]}
+    report = speed.summary(samples, head)
     assert set(report["ratio_to_auto_cache"]) == {"rerope", "leaky_rerope", "ntk_mixed"}
     assert abs(report["ratio_to_auto_cache"]["ntk_mixed"]["16384"] - 0.041 / 0.045) < 1e-9
     table = speed.cached_markdown(report)
