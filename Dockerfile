@@ -4,7 +4,7 @@
 #   docker build -t rope-extend:cuda --build-arg VLLM_FLAVOUR=cuda .   # vLLM's CUDA build + Triton
 #   docker run -p 8000:8000 -v rope-models:/models rope-extend
 #   docker run --gpus all -p 8000:8000 -v rope-models:/models rope-extend:cuda
-#   docker run --gpus all --entrypoint python rope-extend:cuda -m bench gpu   # check this GPU
+#   docker run --gpus all --entrypoint python rope-extend:cuda -m tests.ops.gpu_check   # check this GPU
 #   deploy/build_image.sh     # without Docker: builds this file with buildah, serves a request
 #
 # Both stages install with the project's own scripts/install.sh, the same script `make test`
@@ -45,8 +45,11 @@ COPY rope_plugins/ rope_plugins/
 COPY server/ server/
 COPY deploy/ deploy/
 RUN ./scripts/install.sh
-# the benchmarks' scripts, after the install (they change more often): `python -m bench gpu` on a GPU
+# the benchmarks' scripts and the kernels' check, after the install (they change more often):
+# `python -m tests.ops.gpu_check` on a GPU
 COPY bench/ bench/
+COPY tests/__init__.py tests/
+COPY tests/ops/__init__.py tests/ops/gpu_check.py tests/ops/
 
 FROM ${BASE_IMAGE} AS runtime
 # vLLM's CPU backend compiles the model with torch.compile (inductor), which needs g++ at

@@ -19,7 +19,6 @@ SUITES = {
     "ruler": ("ruler", "RULER through lm-eval"),
     "load": ("step_budget", "the load test per step budget"),
     "soak": ("soak", "an hour of every field at every length under the supervisor"),
-    "gpu": ("gpu_check", "on a GPU: the kernels against the oracle and stock vLLM"),
     "gpu-kernels": ("gpu_kernel_speed", "on a GPU: the kernels against FlashAttention"),
     "readme": ("readme", "bench/README.md's generated blocks from the results"),
 }

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from bench import harness
-from bench.gpu_check import BLOCK, versions
 from rope_plugins.attention.planner import QUERY_TILE
 
 RESULTS = harness.RESULTS
+BLOCK = 16  # tokens per cache block (vLLM's default on CUDA)
 BASE = 500000.0  # Llama 3's rotary base
 TRAIN = 8192
 METHODS = {"none": dict(method="none"), "rerope": dict(method="rerope", window=TRAIN // 4),
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args.torch_dtype = getattr(torch, args.dtype)
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
-    report = {"date": harness.now(), **versions(device),
+    report = {"date": harness.now(), **harness.gpu_versions(device),
               "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head": args.head, "dtype": args.dtype,
                         "block": BLOCK, "base": BASE, "train_length": TRAIN}}
     for part, speed in (("decode", decode_speed), *(() if args.skip_prefill else [("prefill", prefill_speed)])):

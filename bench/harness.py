@@ -40,6 +40,19 @@ def machine() -> str:
     return f"{model} ({platform.machine()}), {os.cpu_count()} cores, {isa}{amx}"
 
 
+def gpu_versions(device) -> dict:
+    """What ran on ``device`` (a torch device): the GPU, CUDA, Triton and torch, and this machine."""
+    import torch
+    import triton
+
+    cuda = device.type == "cuda"
+    return {"gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
+            "gpu_count": torch.cuda.device_count() if cuda else 0, "cuda": torch.version.cuda,
+            "triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": machine(), "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+
+
 def commit() -> str | None:
     """The checkout's commit, with ``+`` where the work tree differs from it (None outside git)."""
     try:

@@ -43,7 +43,7 @@ RENDERERS = {
     "dtype": ("bench.dtype_check", "markdown"),
     "dtype_stock": ("bench.dtype_check", "stock_markdown"),
     "dtype_fp8": ("bench.dtype_check", "fp8_markdown"),
-    "gpu_check": ("bench.gpu_check", "markdown"),
+    "gpu_check": ("tests.ops.gpu_check", "markdown"),
     "gpu_kernel_speed_tile_angles": ("bench.gpu_kernel_speed", "prefill_markdown"),
     "gpu_kernel_speed_decode_dot": ("bench.gpu_kernel_speed", "markdown"),
 }

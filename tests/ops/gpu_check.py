@@ -1,7 +1,7 @@
-"""Are the Triton kernels (``rope_plugins/ops/gpu.py``) right on this GPU? (Their speed: ``gpu-kernels``.)
+"""Are the Triton kernels (``rope_plugins/ops/gpu.py``) right on this GPU? (Their speed: ``bench gpu-kernels``.)
 
-    .venv/bin/python -m bench gpu                          # on CUDA device 0 (a few minutes)
-    .venv/bin/python -m bench gpu --interpret              # small, on this CPU
+    .venv/bin/python -m tests.ops.gpu_check                # on CUDA device 0 (a few minutes)
+    .venv/bin/python -m tests.ops.gpu_check --interpret    # small, on this CPU
 
 One paged step per (head shape, dtype, KV cache): Llama 3 8B's heads (32 q / 8 kv, d128), Qwen2.5 7B's
 (28 / 4) and 0.5B's (14 / 2, d64); float32, float16, bfloat16. A step holds rows of every method
@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import math
 import os
-import platform
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -248,18 +247,6 @@ def check_kernels(sizes: Sizes, dtypes: list[str], tolerances: dict[str, float],
     return verdict(cases)
 
 
-def versions(device: torch.device) -> dict:
-    """What ran: the GPU, CUDA, Triton and torch."""
-    import triton
-
-    cuda = device.type == "cuda"
-    return {"gpu": torch.cuda.get_device_name(device) if cuda else None,
-            "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
-            "gpu_count": torch.cuda.device_count() if cuda else 0, "cuda": torch.version.cuda,
-            "triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "machine": harness.machine(), "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
-
-
 def number(value: float | None) -> str:
     return "not finite" if value is None else f"{value:.2e}"
 
@@ -328,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = args.dtypes or (["float32", "float16"] if args.interpret else list(DTYPES))
     caches = args.kv_cache_dtypes or (["auto", "fp8_e4m3"] if args.interpret else list(CACHE_FORMATS))
     report = {"date": harness.now(), "mode": "interpreter" if args.interpret else "cuda",
-              "environment": versions(device)}
+              "environment": harness.gpu_versions(device)}
 
     def write(kernels: dict) -> None:
         report["kernels"] = kernels
@@ -341,3 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report), failures(report), sep="\n\n")
     print(f"\nwrote {args.out}")
     return 0 if report["kernels"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
