@@ -134,11 +134,12 @@ def uses_matrix_tiles(model_dtype: torch.dtype) -> bool:
     return model_dtype != torch.float32 and native.matrix_tiles_ready()
 
 
-def rounded_once_on(kv_cache: torch.Tensor, rounded_once: bool) -> bool:
-    """Whether the AMX tiles (and the decode's vdpbf16ps against raw keys) take their operands
-    rounded once to bfloat16, as asked: a bfloat16 cache's only (rounding a float16 model's
-    operands to bfloat16 would drop 3 of their bits)."""
-    return rounded_once and kv_cache.dtype == torch.bfloat16
+def rounded_once_on(kv_cache: torch.Tensor, rounded_once: bool, model_dtype: torch.dtype | None = None) -> bool:
+    """Whether the bfloat16 dot products take their operands rounded once to bfloat16, as asked:
+    over a bfloat16 cache (the decode's vdpbf16ps reads its raw keys); and, for the prefill's AMX
+    tiles, whose keys are turned in float32 whatever the cache holds (``model_dtype`` given),
+    over a bfloat16 model's fp8 cache too. Never a float16 model's: bfloat16 would drop 3 of its bits."""
+    return rounded_once and (kv_cache.dtype == torch.bfloat16 or (model_dtype == torch.bfloat16 and is_fp8(kv_cache)))
 
 
 def uses_prefill_kernel(query: torch.Tensor) -> bool:
@@ -176,7 +177,7 @@ def prefill_kernel(query: torch.Tensor, queries: QueryPlan, kv_cache: torch.Tens
                                    near_sin=flat(near.sin), far_cos=flat(far.cos), far_sin=flat(far.sin),
                                    near_from=row.near_from, context=row.context, banded=row.band_keys is not None,
                                    near_origin=near_origin, matrix_tiles=matrix_tiles,
-                                   rounded_once=rounded_once_on(kv_cache, rounded_once))
+                                   rounded_once=rounded_once_on(kv_cache, rounded_once, query.dtype))
     output = native.prefill_attention(
         inputs, query=query.float(), near_keys=near_keys, far_keys=far_keys,
         values=native.cache_values(kv_cache=kv_cache, block_ids=block_ids, seq_len=row.seq_len),

@@ -12,7 +12,7 @@ import torch
 
 from rope_plugins.attention.backend import RopeExtendAttentionImpl
 from rope_plugins.attention.planner import StepPlanner, kernel_plan
-from rope_plugins.ops import cpu
+from rope_plugins.ops import cpu, native
 from rope_plugins.testing.paged_steps import fp8_cached, nearest_fp8, paged_step
 from tests.attention.test_attention import (
     BLOCK,
@@ -20,6 +20,7 @@ from tests.attention.test_attention import (
     HEAD_SHAPES,
     KV,
     QUERIES_PER_KV,
+    ROWS,
     D,
     needs_compiler,
     rows_step,
@@ -140,6 +141,27 @@ def test_kernel_decode_of_real_head_shapes_on_an_fp8_cache_matches_the_oracle(na
     output = cpu.decode(step.query, cache.view(FORMATS[name]), plan.decode, plan.query, scale=head**-0.5,
                         scales=SCALES)
     torch.testing.assert_close(output.double(), oracle.expected(), rtol=0, atol=2e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rounded_once", [True, False], ids=["rounded-once", "two-parts"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_bfloat16_models_prefill_reads_fp8_as_a_bfloat16_cache_of_its_values(name, rounded_once):
+    """On AMX tiles a bfloat16 model's prefill turns an fp8 cache's keys in float32 as it turns a
+    bfloat16 cache's, so both precisions apply to it as to that cache: with scales of 1 (every
+    fp8 value is a bfloat16), the fp8 cache's rows are the bfloat16 cache's, bit for bit."""
+    if not native.matrix_tiles_ready():
+        pytest.skip("no AMX on this CPU (or the kernels were built for another)")
+    step = paged_step(ROWS, seed=3, head=D, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK, dtype=torch.bfloat16)
+    fp8 = fp8_cached(step, FORMATS[name], 1.0, 1.0, cpu.quantized)[0].view(FORMATS[name])
+    plan = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
+    assert plan.prefill
+    for row in plan.prefill:
+        fp8_rows, bfloat16_rows = (cpu.prefill_kernel(step.query[row.tokens], plan.query, cache,
+                                                      plan.block_table[row.row], row, scale=D**-0.5,
+                                                      rounded_once=rounded_once)
+                                   for cache in (fp8, fp8.to(torch.bfloat16)))
+        assert torch.equal(fp8_rows, bfloat16_rows), row
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
