@@ -3,7 +3,8 @@
 (``rope_plugins/worker/model_state.py``). A batch of mixed methods prefilled in chunks answers as
 the oracle does and as the V1 runner's one-step prefill does; slots freed by one batch take
 the next batch's settings; the prefix cache never crosses settings; bad settings are refused
-at admission, naming the field. Every test runs once per entry of ``ATTENTION_OPS``."""
+at admission, naming the field; an fp8 cache answers as its oracle does. Every test but the fp8
+one runs once per entry of ``ATTENTION_OPS``."""
 
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ def test_prefix_cache_never_crosses_settings_on_v2(v2_engine, reference_model, e
 @pytest.mark.parametrize("fields,field", BAD_SETTINGS)
 def test_bad_settings_are_refused_naming_the_field_on_v2(v2_engine, engine_defaults, fields, field):
     assert_bad_settings_refused(v2_engine, engine_defaults, fields, field)
+
+
+def test_mixed_methods_in_chunks_on_an_fp8_cache_match_the_oracle_on_v2(tiny_llama_dir, engine_defaults):
+    """The V2 runner on an fp8 (e4m3) cache, the CPU ops: MIXED in one batch, prefilled in chunks
+    of 64 tokens, against the oracle on the cache's values (tests/ops/test_fp8_cache.py says why
+    its bounds are what they are)."""
+    from tests.ops.test_fp8_cache import assert_match_the_fp8_oracle, fp8_oracle
+
+    requests = [(prompt(700 + i, 300 - 13 * i), fields) for i, fields in enumerate(MIXED)]
+    with start_v2_engine(tiny_llama_dir, attention_ops="cpu", kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=64,
+                         max_num_seqs=8, enable_chunked_prefill=True) as llm:
+        results = run(llm, requests, engine_defaults)
+    assert_match_the_fp8_oracle(results, requests, fp8_oracle(tiny_llama_dir, "fp8_e4m3"), engine_defaults)
