@@ -195,6 +195,32 @@ def fp8_markdown(report: dict) -> str:
                                       "within"], rows))
 
 
+def fp8_choice(drift: dict, results: Path) -> dict:
+    """What the README says of an fp8 cache: ``drift`` (:func:`fp8_drift`'s) in short, and the fp8
+    speed runs in ``results`` (tpot_bfloat16_fp8.json, speed_bfloat16_fp8.json) as ranges."""
+    tpot, speed = (json.loads((results / f"{stem}_bfloat16_fp8.json").read_text()) for stem in ("tpot", "speed"))
+    span = lambda ratios: [min(ratios), max(ratios)]  # noqa: E731
+    return {"date": max(drift["date"], tpot["date"], speed["date"]), "machine": speed["machine"],
+            "length": drift["length"], "bytes_per_token": {"fp8": tpot["kv_bytes_per_token"]["plugin"],
+                                "bfloat16": tpot["kv_bytes_per_token"]["plugin_auto_cache"]},
+            "drift": {kv: span([r[kv] for r in drift["rows"]]) for kv in FP8_CACHES}, "yardstick": drift["yardstick"],
+            "decode_x_bfloat16": span([x for by in tpot["ratio_to_auto_cache"].values() for x in by.values()]),
+            "prefill_x_stock": span([x["prefill"] for by in speed["ratio_to_stock"].values() for x in by.values()]),
+            "batch_x_stock": speed["batch8"]["throughput_ratio"]}
+
+
+def choice_markdown(report: dict) -> str:
+    drift, per_token, yardstick = report["drift"], report["bytes_per_token"], report["yardstick"]
+    (low, high), (first, last) = report["decode_x_bfloat16"], report["prefill_x_stock"]
+    return (f"Measured {report['date'][:10]} on {report['machine']} (SmolLM2-135M, bfloat16): "
+            f"{per_token['fp8']:,.0f} bytes per token against {per_token['bfloat16']:,.0f}; at {report['length']:,} "
+            f"tokens loss drifts {drift['fp8_e4m3'][0]:+.2f} to {drift['fp8_e4m3'][1]:+.2f} nats (`fp8_e5m2`: "
+            f"{drift['fp8_e5m2'][0]:+.2f} to {drift['fp8_e5m2'][1]:+.2f}; stock's own: "
+            f"{yardstick['fp8_e4m3']:+.2f}, {yardstick['fp8_e5m2']:+.2f}); decode {low:.2f}-{high:.2f}x a bfloat16 "
+            f"cache's time; prefill {first:.2f}-{last:.2f}x stock's on fp8; a mixed batch of 8, "
+            f"{report['batch_x_stock']:.2f}x its throughput.")
+
+
 def check_models(names: list[str] | None) -> dict:
     """Per model (``names``, else every provisioned one), dtype and engine: the loss on the real
     text and the answer to the question, correct or not; then the verdicts."""
@@ -237,11 +263,15 @@ def main(argv: list[str] | None = None) -> int:
                              "bench/results/dtype_stock.json)")
     parser.add_argument("--fp8", type=Path, metavar="QUALITY_DIR",
                         help="each setting's fp8 drift from the quality suite's QUALITY_DIR/kv_bfloat16_<cache>.json "
-                             "against stock's in dtype_stock.json (writes bench/results/dtype_fp8.json)")
+                             "against stock's in dtype_stock.json (writes bench/results/dtype_fp8.json, and "
+                             "fp8_choice.json from it and the fp8 speed runs)")
     args = parser.parse_args(argv)
     if args.fp8:
         stock = json.loads((RESULTS / "dtype_stock.json").read_text())
         report, out, render = fp8_drift(stock, args.fp8), RESULTS / "dtype_fp8.json", fp8_markdown
+        choice = fp8_choice(report, RESULTS)
+        harness.write_json(choice, RESULTS / "fp8_choice.json")
+        print(choice_markdown(choice))
     else:
         from rope_plugins.frontend.engine_args import compute_on_every_core
 

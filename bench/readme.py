@@ -1,5 +1,5 @@
-"""The generated blocks of bench/README.md and docs/ (gpu.md, layout.md, usage.md): each is a results file as its
-benchmark's ``markdown(report)`` renders it (tables and the sentences that read them), between markers.
+"""The generated blocks of the documents (DOCUMENTS): each is a results file as its benchmark's
+``markdown(report)`` renders it (tables and the sentences that read them), between markers.
 
     .venv/bin/python -m bench readme            # rewrite every block from bench/results/
     .venv/bin/python -m bench readme --check    # name the blocks that differ from their results
@@ -19,8 +19,8 @@ from bench import harness
 
 ROOT, RESULTS = harness.ROOT, harness.RESULTS
 DOCUMENT = ROOT / "bench" / "README.md"
-# the GPU's results beside what is verified there, the fuzzer's beside the suite, the fp8 cache's beside its setting
-DOCUMENTS = (DOCUMENT, *(ROOT / "docs" / name for name in ("gpu.md", "layout.md", "usage.md")))
+# beside what they measure: the fp8 choice, the GPU's results, the fuzzer's, the fp8 cache's costs
+DOCUMENTS = (DOCUMENT, ROOT / "README.md", *(ROOT / "docs" / name for name in ("gpu.md", "layout.md", "usage.md")))
 # results file stem: (module, function) rendering it as markdown
 RENDERERS = {
     "speed": ("bench.speed", "markdown"),
@@ -28,13 +28,14 @@ RENDERERS = {
     "speed_bfloat16_amx_rounded": ("bench.speed", "markdown"),
     "tpot_bfloat16_rounded": ("bench.speed", "cached_markdown"),
     "tpot_bfloat16_fp8": ("bench.speed", "cached_markdown"),
+    "speed_bfloat16_fp8": ("bench.speed", "markdown"),
     "attention_kernels": ("bench.attention_kernels", "markdown"),
     "llama_cpp_speed": ("bench.llama_cpp_speed", "markdown"),
     "eval": ("bench.quality", "markdown"),
     "eval_digits": ("bench.quality", "markdown"),
     "eval_new_methods": ("bench.quality", "markdown"),
     "ruler": ("bench.ruler", "markdown"),
-    "loadtest": ("bench.readme", "loadtest_markdown"),
+    "loadtest": ("rope_plugins.deploy.loadtest", "markdown"),
     "step_budget": ("bench.step_budget", "markdown"),
     "reserved_cores": ("bench.step_budget", "markdown"),
     "soak": ("bench.soak", "markdown"),
@@ -43,6 +44,7 @@ RENDERERS = {
     "dtype": ("bench.dtype_check", "markdown"),
     "dtype_stock": ("bench.dtype_check", "stock_markdown"),
     "dtype_fp8": ("bench.dtype_check", "fp8_markdown"),
+    "fp8_choice": ("bench.dtype_check", "choice_markdown"),
     "gpu_check": ("tests.ops.gpu_check", "markdown"),
     "gpu_kernel_speed_tile_angles": ("bench.gpu_kernel_speed", "prefill_markdown"),
     "gpu_kernel_speed_decode_dot": ("bench.gpu_kernel_speed", "markdown"),
@@ -91,17 +93,6 @@ def shown(name: str) -> str:
 def write_block(name: str, content: str, document: Path | None = None) -> None:
     document = document or document_of(name)
     document.write_text(replace_block(document.read_text(), name, content))
-
-
-def loadtest_markdown(report: dict) -> str:
-    """deploy/loadtest.py's own summary of a run, with what was run where."""
-    from rope_plugins.deploy.loadtest import summary
-
-    c = report["config"]
-    lengths = ", ".join(f"{n:,}" for n in c["prompt_lengths"])
-    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, {report['served_max']:,} "
-            f"tokens served): prompts of {lengths} tokens, {c['output_tokens']} output tokens each, "
-            f"{c['concurrency']} at a time, mix `{c['mix']}`.\n\n```\n{summary(report)}\n```")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,8 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, help="default 3 (--cached: 7)")
     parser.add_argument("--decode-tokens", type=int, help="default 32 (--cached: 64)")
     parser.add_argument("--scaling-lengths", type=int, nargs="*", default=[4096, 32768],
-                        help="extra lengths for stock and rerope only (the scaling plot)")
-    parser.add_argument("--scaling-reps", type=int, default=1)
+                        help="extra lengths for stock and rerope only, once each (the scaling plot)")
     parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
     parser.add_argument("--cached", action="store_true",
                         help="the decode alone, each repetition on the same cached prompt (default out: tpot_<dtype>)")
@@ -199,8 +198,7 @@ class SpeedRun:
 
         args = self.args
         jobs = [(rep, n, CONFIGS) for rep in range(args.reps) for n in args.lengths]
-        jobs += [(rep, n, CONFIGS[:2]) for rep in range(args.scaling_reps) for n in args.scaling_lengths
-                 if n not in args.lengths]
+        jobs += [(0, n, CONFIGS[:2]) for n in args.scaling_lengths if n not in args.lengths]  # once each
         with tqdm(total=sum(len(configs) for *_, configs in jobs), desc="speed", unit="run") as bar:
             for rep, n, configs in jobs:
                 for config in rotated(configs, rep):

