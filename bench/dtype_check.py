@@ -200,9 +200,10 @@ def fp8_choice(drift: dict, results: Path) -> dict:
     speed runs in ``results`` (tpot_bfloat16_fp8.json, speed_bfloat16_fp8.json) as ranges."""
     tpot, speed = (json.loads((results / f"{stem}_bfloat16_fp8.json").read_text()) for stem in ("tpot", "speed"))
     span = lambda ratios: [min(ratios), max(ratios)]  # noqa: E731
+    per_token = tpot["kv_bytes_per_token"]
     return {"date": max(drift["date"], tpot["date"], speed["date"]), "machine": speed["machine"],
-            "length": drift["length"], "bytes_per_token": {"fp8": tpot["kv_bytes_per_token"]["plugin"],
-                                "bfloat16": tpot["kv_bytes_per_token"]["plugin_auto_cache"]},
+            "length": drift["length"], "bytes_per_token": {"fp8": per_token["plugin"],
+                                                           "bfloat16": per_token["plugin_auto_cache"]},
             "drift": {kv: span([r[kv] for r in drift["rows"]]) for kv in FP8_CACHES}, "yardstick": drift["yardstick"],
             "decode_x_bfloat16": span([x for by in tpot["ratio_to_auto_cache"].values() for x in by.values()]),
             "prefill_x_stock": span([x["prefill"] for by in speed["ratio_to_stock"].values() for x in by.values()]),

@@ -149,8 +149,8 @@ class SpeedRun:
                       kv_cache_dtype=args.kv_cache_dtype)
         self.stock = LLM(model=model, hf_overrides={"max_position_embeddings": served}, **common)
         self.plugin = PluginLLM(model, attention_precision=args.attention_precision, **common)
-        # an fp8 run also times the plugin on a cache of the model's dtype: the fp8 cache's own gain
-        self.plugin_auto_cache = None if args.kv_cache_dtype == "auto" else PluginLLM(
+        # a --cached fp8 run also times the plugin on a cache of the model's dtype: the fp8 cache's own gain
+        self.plugin_auto_cache = None if args.kv_cache_dtype == "auto" or not args.cached else PluginLLM(
             model, attention_precision=args.attention_precision, **{**common, "kv_cache_dtype": "auto"})
         self.configs = CONFIGS + ([f"{c}{AUTO_CACHE}" for c in CONFIGS[1:]] if self.plugin_auto_cache else [])
         self.vocab = self.plugin.llm.llm_engine.vllm_config.model_config.get_vocab_size()
