@@ -145,12 +145,13 @@ DecodeItem work_item(const DecodeView& view, int64_t item) {
   return {r, h, chunk, first, last, ((r * view.kv_heads + h) * view.chunks + chunk) * view.queries_per_kv};
 }
 
-// the row's queries of kv head h, scaled (softmax scale included) and turned to their near and far angle
-template <int64_t d>
+// the row's queries of kv head h, scaled (softmax scale included; and, for keys read in AVX-512
+// registers, what those reads leave out: kFp8Factor) and turned to their near and far angle
+template <typename Element, int64_t d>
 void turn_queries(const DecodeView& view, const DecodeItem& item, DecodeScratch& scratch) {
   constexpr int64_t half = d / 2;
   const int64_t r = item.r;
-  const float factor = view.query_scale[r] * view.scale;
+  const float factor = view.query_scale[r] * view.scale * (kOnline<d> ? rope_kernels::kFp8Factor<Element> : 1.f);
   for (int64_t g = 0; g < view.queries_per_kv; ++g) {
     const float* raw = view.query + (r * view.heads + item.h * view.queries_per_kv + g) * d;
     rotate(raw, view.query_cos + r * 2 * half, view.query_sin + r * 2 * half, scratch.near_q.data() + g * d, half,
@@ -317,6 +318,8 @@ void sum_values(const DecodeView& view, const DecodeItem& item, DecodeScratch& s
   if constexpr (avx512::kServes<d>) {
     std::fill(out, out + queries_per_kv * d, 0.f);
     avx512::add_all_values<d, Element>(scratch.row_of.data(), 0, keys, scores, kDecodeChunk, queries_per_kv, out);
+    if constexpr (rope_kernels::kFp8Factor<Element> != 1.f)  // what the values' AVX-512 reads leave out
+      for (int64_t i = 0; i < queries_per_kv * d; ++i) out[i] *= rope_kernels::kFp8Factor<Element>;
     return;
   }
 #endif
@@ -339,8 +342,9 @@ void finish_online(const DecodeView& view, const DecodeItem& item, DecodeScratch
   for (int64_t g = 0; g < view.queries_per_kv; ++g) {
     view.partial_max[item.partial + g] = scratch.maxima[g];
     view.partial_sum[item.partial + g] = _mm512_reduce_add_ps(_mm512_loadu_ps(scratch.totals.data() + g * 16));
-    __m512 sums[d / 16];
-    for (int64_t i = 0; i < d / 16; ++i) sums[i] = _mm512_loadu_ps(scratch.sums.data() + g * d + 16 * i);
+    __m512 sums[d / 16];  // times what the values' AVX-512 reads leave out
+    const __m512 factor = _mm512_set1_ps(rope_kernels::kFp8Factor<Element>);
+    for (int64_t i = 0; i < d / 16; ++i) sums[i] = _mm512_mul_ps(factor, _mm512_loadu_ps(scratch.sums.data() + g * d + 16 * i));
     avx512::store_value<d, Element>(sums, view.partial_out + (item.partial + g) * d);
   }
 #endif
@@ -353,7 +357,7 @@ void attend_chunk(const DecodeView& view, int64_t index, DecodeScratch& scratch)
     std::fill(view.partial_max + item.partial, view.partial_max + item.partial + view.queries_per_kv, kNegInf);
     return;
   }
-  turn_queries<d>(view, item, scratch);
+  turn_queries<Element, d>(view, item, scratch);
   find_rows<Element>(view, item, scratch);
   prefetch_first<Element, d>(scratch, item.last - item.first);
   const int64_t keys = item.last - item.first, m = view.seq_lens[item.r] - 1;
