@@ -230,10 +230,9 @@ def kernel_table(rows: list[dict], case: list[str], cells) -> list[str]:
     """A table of ``rows``: ``case`` columns (``cells(row)`` gives them), then each plugin kernel's
     time as a multiple of vLLM's, then the largest difference."""
     others = [name for name in rows[0]["seconds"] if name != "vllm"]
-    return ["", harness.markdown_table(
-        [*case, *others, "max abs difference"],
-        [[*cells(r), *(f"{r['seconds'][name] / r['seconds']['vllm']:.2f}" for name in others),
-          f"{r['max_abs_difference']:.1e}"] for r in rows])]
+    return ["", harness.markdown_table([*case, *others, "max abs difference"], [
+        [*cells(r), *(f"{r['seconds'][name] / r['seconds']['vllm']:.2f}" for name in others),
+         f"{r['max_abs_difference']:.1e}"] for r in rows])]
 
 
 def markdown(report: dict) -> str:

@@ -128,8 +128,7 @@ def stock_reference(length: int) -> dict:
     directory = provision(model_source("smollm2-135m"))
     rows = [{"engine": engine, "dtype": dtype, "attention_precision": precision, "kv_cache_dtype": kv,
              "loss": plain_rope_loss(directory, length, dtype, engine, precision, kv)}
-            for engine, dtype, precision, kv in tqdm(REFERENCE_RUNS, desc=f"plain RoPE at {length:,}",
-                                                     unit="engine")]
+            for engine, dtype, precision, kv in tqdm(REFERENCE_RUNS, desc=f"plain RoPE at {length:,}", unit="engine")]
     return {"date": harness.now(), "machine": harness.machine(), "length": length, "tolerance": METHOD_TOLERANCE,
             "rows": against_stock_float32(rows)}
 

@@ -55,14 +55,11 @@ def gpu_versions(device) -> dict:
 
 def commit() -> str | None:
     """The checkout's commit, with ``+`` where the work tree differs from it (None outside git)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+    try:  # no tag matches --exclude '*': the abbreviated commit, "+" for changes to tracked files
+        return subprocess.run(["git", "describe", "--always", "--dirty=+", "--exclude=*"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-    return head + ("+" if dirty else "")
 
 
 def header(**fields: Any) -> dict[str, Any]:
@@ -83,7 +80,6 @@ def pyplot():
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     return plt
 
 

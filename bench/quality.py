@@ -376,8 +376,7 @@ def report(runs: Path, jobs: list[tuple], meta: dict, out_dir: Path, stem: str, 
     done = {record_key(r) for r in records}
     results = {"date": max(r["date"] for r in records), **meta,
                "tokenizer": " and ".join(sorted({r.get("tokenizer", "ByteLevel") for r in records})),
-               "measurements_planned": len(jobs),
-               "measurements_missing": sum(job_key(job) not in done for job in jobs),
+               "measurements_planned": len(jobs), "measurements_missing": sum(job_key(job) not in done for job in jobs),
                "measured_seconds": round(sum(r["seconds"] for r in records)), **summarize(records)}
     harness.write_json(results, out_dir / f"{stem}.json")
     plot(results, out_dir / f"{stem}.png")

@@ -21,34 +21,27 @@ ROOT, RESULTS = harness.ROOT, harness.RESULTS
 DOCUMENT = ROOT / "bench" / "README.md"
 # beside what they measure: the fp8 choice, the GPU's results, the fuzzer's, the fp8 cache's costs
 DOCUMENTS = (DOCUMENT, ROOT / "README.md", *(ROOT / "docs" / name for name in ("gpu.md", "layout.md", "usage.md")))
-# results file stem: (module, function) rendering it as markdown
-RENDERERS = {
-    "speed": ("bench.speed", "markdown"),
-    "speed_bfloat16": ("bench.speed", "markdown"),
-    "speed_bfloat16_amx_rounded": ("bench.speed", "markdown"),
-    "tpot_bfloat16_rounded": ("bench.speed", "cached_markdown"),
-    "tpot_bfloat16_fp8": ("bench.speed", "cached_markdown"),
-    "speed_bfloat16_fp8": ("bench.speed", "markdown"),
-    "attention_kernels": ("bench.attention_kernels", "markdown"),
-    "llama_cpp_speed": ("bench.llama_cpp_speed", "markdown"),
-    "eval": ("bench.quality", "markdown"),
-    "eval_digits": ("bench.quality", "markdown"),
-    "eval_new_methods": ("bench.quality", "markdown"),
-    "ruler": ("bench.ruler", "markdown"),
-    "loadtest": ("rope_plugins.deploy.loadtest", "markdown"),
-    "step_budget": ("bench.step_budget", "markdown"),
-    "reserved_cores": ("bench.step_budget", "markdown"),
-    "soak": ("bench.soak", "markdown"),
-    "fuzz": ("tests.server.fuzz.schema", "markdown"),
-    "fuzz_long": ("tests.server.fuzz.fields", "markdown"),
-    "dtype": ("bench.dtype_check", "markdown"),
-    "dtype_stock": ("bench.dtype_check", "stock_markdown"),
-    "dtype_fp8": ("bench.dtype_check", "fp8_markdown"),
-    "fp8_choice": ("bench.dtype_check", "choice_markdown"),
-    "gpu_check": ("tests.ops.gpu_check", "markdown"),
-    "gpu_kernel_speed_tile_angles": ("bench.gpu_kernel_speed", "prefill_markdown"),
-    "gpu_kernel_speed_decode_dot": ("bench.gpu_kernel_speed", "markdown"),
-}
+# results file stem: (module, function) rendering it as markdown; written by renderer, each with its stems
+RENDERERS = {stem: renderer for renderer, stems in {
+    ("bench.speed", "markdown"): ("speed", "speed_bfloat16", "speed_bfloat16_amx_rounded", "speed_bfloat16_fp8"),
+    ("bench.speed", "cached_markdown"): ("tpot_bfloat16_rounded", "tpot_bfloat16_fp8"),
+    ("bench.attention_kernels", "markdown"): ("attention_kernels",),
+    ("bench.llama_cpp_speed", "markdown"): ("llama_cpp_speed",),
+    ("bench.quality", "markdown"): ("eval", "eval_digits", "eval_new_methods"),
+    ("bench.ruler", "markdown"): ("ruler",),
+    ("rope_plugins.deploy.loadtest", "markdown"): ("loadtest",),
+    ("bench.step_budget", "markdown"): ("step_budget", "reserved_cores"),
+    ("bench.soak", "markdown"): ("soak",),
+    ("tests.server.fuzz.schema", "markdown"): ("fuzz",),
+    ("tests.server.fuzz.fields", "markdown"): ("fuzz_long",),
+    ("bench.dtype_check", "markdown"): ("dtype",),
+    ("bench.dtype_check", "stock_markdown"): ("dtype_stock",),
+    ("bench.dtype_check", "fp8_markdown"): ("dtype_fp8",),
+    ("bench.dtype_check", "choice_markdown"): ("fp8_choice",),
+    ("tests.ops.gpu_check", "markdown"): ("gpu_check",),
+    ("bench.gpu_kernel_speed", "prefill_markdown"): ("gpu_kernel_speed_tile_angles",),
+    ("bench.gpu_kernel_speed", "markdown"): ("gpu_kernel_speed_decode_dot",),
+}.items() for stem in stems}
 
 
 def markers(name: str) -> tuple[str, str]:

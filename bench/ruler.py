@@ -285,9 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", help=f"default: {LENGTHS} (--table: those in the log)")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, help="default: all six (--table: those in the log)")
     parser.add_argument("--samples", type=int, default=10, help="samples of each task at each length and setting")
-    parser.add_argument("--settings", nargs="+", metavar="LABEL",
-                        help="only these settings, by their labels in the table (e.g. rerope 'rerope(log_n=True)' "
-                             "auto); default: every one")
+    parser.add_argument("--settings", nargs="+", metavar="LABEL", help="only these settings, by their labels in "
+                        "the table (e.g. rerope 'rerope(log_n=True)' auto); default: every one")
     parser.add_argument("--after-zero", action="store_true",
                         help="also run a setting at lengths past one where it scored 0 on every task")
     parser.add_argument("--dry-run", action="store_true", help="list the runs left and their expected time, and stop")

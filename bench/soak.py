@@ -327,8 +327,7 @@ def run(minutes: float, clients: int, sample_seconds: float, out: Path, warm: bo
             "rss_peak_mib": max(s["rss_mib"] for s in samples), "rss_end_mib": samples[-1]["rss_mib"],
             "rss_slope": rss_slope(samples),
             "allocated_slope": rss_slope(allocator, "allocated", "allocator") if allocator else None,
-            "worker_allocator": allocator, "windows": windows(records, minutes), "rss": samples,
-            "records": records}
+            "worker_allocator": allocator, "windows": windows(records, minutes), "rss": samples, "records": records}
 
 
 def main(argv: list[str] | None = None) -> int:

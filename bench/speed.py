@@ -1,15 +1,14 @@
 """Speed of the plugin against stock vLLM (plain RoPE, same checkpoint, same engine settings).
 
     .venv/bin/python -m bench speed            # 2k, 8k, 16k x 3 repetitions; scaling to 32k
-    .venv/bin/python -m bench speed --quick    # 2k, 8k; 2 repetitions; no scaling sweep
     .venv/bin/python -m bench speed --cached --dtype bfloat16   # the decode alone: 16k, 32k x 7
 
 Both engines in this process, the configurations interleaved (the order rotating), medians.
 Per length and configuration: the prefill of a fresh prompt, and the time per output token
 from 1 and 1 + N new tokens on it cached; a batch of 8 mixed settings against 8 plain requests
 on stock; KV bytes per token; stock and ReRoPE alone at ``--scaling-lengths`` for the plot.
-``--cached`` samples the decode alone, each repetition on the same cached prompt (the machine's
-memory speed moves by a third within minutes). Writes bench/results/speed.json or tpot_<dtype>.json.
+``--cached`` samples the decode alone, each repetition on the same cached prompt, and the memory's
+read speed beside each (it moves by a third within minutes). Writes speed.json or tpot_<dtype>.json.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ class PluginLLM:
         from rope_plugins.frontend.engine_args import extension_request
         from rope_plugins.rules.settings import parse_settings
 
-        built = [extension_request(prompt, sp, parse_settings(f, self.defaults))
-                 for prompt, sp, f in zip(prompts, params, fields)]
+        built = [extension_request(p, s, parse_settings(f, self.defaults)) for p, s, f in zip(prompts, params, fields)]
         return [prompt for prompt, _ in built], [sp for _, sp in built]
 
 
@@ -83,7 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, help="default 32 (--cached: 64)")
     parser.add_argument("--scaling-lengths", type=int, nargs="*", default=[4096, 32768],
                         help="extra lengths for stock and rerope only, once each (the scaling plot)")
-    parser.add_argument("--quick", action="store_true", help="2k and 8k, 2 repetitions, no scaling sweep")
     parser.add_argument("--cached", action="store_true",
                         help="the decode alone, each repetition on the same cached prompt (default out: tpot_<dtype>)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -95,8 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "operand rounded once, as stock vLLM's (bfloat16, the server's default) or to 2^-16 (float32)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.lengths, args.reps, args.scaling_lengths = [2048, 8192], 2, []
     defaults = ([16384, 32768], 7, 64) if args.cached else ([2048, 8192, 16384], 3, 32)
     args.lengths, args.reps, args.decode_tokens = (given or default for given, default in zip(
         (args.lengths, args.reps, args.decode_tokens), defaults))
@@ -110,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run = SpeedRun(args)
     rng = random.Random(0)
-    run.run("stock", [[5] * 64], 2)  # a short request per engine: compilation, first-call work
-    run.run("rerope", [[5] * 64], 2)
+    for config in ("stock", "rerope"):  # a short request per engine: compilation, first-call work
+        run.run(config, [[5] * 64], 2)
     if args.cached:
         run.measure_cached(rng)
     else:
@@ -159,6 +154,7 @@ class SpeedRun:
             {c: {n: [] for n in args.lengths} for c in self.configs} if args.cached else
             {c: {n: {"prefill": [], "tpot": []} for n in self.all_lengths} for c in CONFIGS})
         self.batch: dict[str, list[float]] = {"plugin_mixed": [], "stock_plain": []}
+        self.read_bandwidth: list[float] = []  # --cached: GB/s, once per repetition
 
     def run(self, config, prompts: list[list[int]], max_tokens: int) -> float:
         """Seconds for requests of ``prompts`` and ``max_tokens`` new tokens each (greedy, past EOS):
@@ -224,6 +220,7 @@ class SpeedRun:
                     self.run(config, [prompts[config]], 1)
                     bar.update()
                 for rep in range(args.reps):
+                    self.read_bandwidth.append(read_bandwidth())  # beside the decode, whose reads it bounds
                     for config in rotated(configs, rep):
                         self.samples[config][n].append(self.tpot(config, prompts[config]))
                         bar.set_postfix(length=n, config=config)
@@ -248,7 +245,7 @@ class SpeedRun:
         """The report from what has been measured so far: ``--cached``'s the summary of its samples;
         else that of the main lengths, then the scaling sweep's medians, all samples and the batch."""
         if self.args.cached:
-            return summary(self.samples, self.head())
+            return {**summary(self.samples, self.head()), "read_gb_per_second": self.read_bandwidth}
         main = {c: {n: by_length[n] for n in self.args.lengths} for c, by_length in self.samples.items()}
         batch = medians(self.batch)
         return {**summary(main, self.head()), "scaling_lengths": self.all_lengths,
@@ -259,6 +256,24 @@ class SpeedRun:
     def write_report(self) -> None:
         """The report, written to ``--out`` (after every run, so a run that dies keeps its results)."""
         harness.write_json(self.report(), self.args.out)
+
+
+def read_bandwidth() -> float:
+    """GB/s of PyTorch's sum of 1 GiB of float32 (past the L3 caches here) on every core it uses: a byte read once."""
+    import torch
+
+    buffer, began = torch.ones(1 << 28), time.perf_counter()
+    buffer.sum()
+    return buffer.nbytes / (time.perf_counter() - began) / 1e9
+
+
+def decode_reads(report: dict, config: str, n: str) -> list[str]:
+    """A --cached run's KV-cache MB per step of ``config`` at ``n``, their GB/s over its TPOT (all of the step's
+    time: a floor of the attention's own rate), and that over the run's median read bandwidth."""
+    engine = "stock" if config == "stock" else "plugin_auto_cache" if config.endswith(AUTO_CACHE) else "plugin"
+    step = report["kv_bytes_per_token"][engine] * int(n)
+    rate = step / report["median"][config][n] / 1e9
+    return [f"{step / 1e6:.0f}", f"{rate:.1f}", f"{rate / statistics.median(report['read_gb_per_second']):.2f}"]
 
 
 def medians(samples: dict) -> dict:
@@ -287,9 +302,11 @@ def cached_markdown(report: dict) -> str:
     """A ``--cached`` report as bench/README.md shows it: a table of medians and the targets read
     (an fp8 run's also against the plugin on a cache of the model's dtype)."""
     to_stock, to_auto = report["ratio_to_stock"], report.get("ratio_to_auto_cache", {})
+    reads = "read_gb_per_second" in report  # runs since 2026-12-01: where the decode's time goes
     rows = [[f"{int(n) // 1024}k", config, f"{report['median'][config][n] * 1e3:.1f}",
              f"{1.0 if config == 'stock' else to_stock[config][n]:.2f}",
-             *([f"{to_auto[config][n]:.2f}" if config in to_auto else "-"] if to_auto else [])]
+             *([f"{to_auto[config][n]:.2f}" if config in to_auto else "-"] if to_auto else []),
+             *(decode_reads(report, config, n) if reads else [])]
             for n in map(str, report["lengths"]) for config in report["median"]]
     limits = [("stock's time", to_stock, TARGETS[report["dtype"]]["tpot"])]  # (against what, the ratios, the limit)
     if to_auto:  # the fp8 cache's: against stock's fp8, and its own gain
@@ -302,11 +319,13 @@ def cached_markdown(report: dict) -> str:
                   for n, ratio in by_length.items() if ratio > limit]
         lines.append(f"- Targets (at most {', '.join(f'{c} {limit}x' for c in ratios_of)} {what}): "
                      + ("every one met." if not missed else "not met by " + ", ".join(missed) + "."))
-    columns = ["context", "config", "TPOT ms (median)", "x stock", *(["x its auto cache"] if to_auto else [])]
+    columns = ["context", "config", "TPOT ms (median)", "x stock", *(["x its auto cache"] if to_auto else []),
+               *(["KV MB per step", "KV GB/s", "x read bandwidth"] if reads else [])]
+    reads = f"; read bandwidth {statistics.median(report['read_gb_per_second']):.1f} GB/s" if reads else ""
     cache = f"; KV caches {report['kv_cache_dtype']}, {AUTO_CACHE}: the model's dtype" if to_auto else ""
     return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}{cache}; medians of "
             f"{report['reps']} interleaved repetitions on cached prompts; TPOT from {report['decode_tokens']} "
-            "new tokens):\n\n" + harness.markdown_table(columns, rows) + "\n\n" + "\n".join(lines))
+            f"new tokens{reads}):\n\n" + harness.markdown_table(columns, rows) + "\n\n" + "\n".join(lines))
 
 
 def plot(report: dict, path: Path) -> None:

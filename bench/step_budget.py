@@ -82,8 +82,7 @@ def plot(runs: list[dict], path: Path) -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     figure, (itl, ttft, speed) = plt.subplots(1, 3, figsize=(14, 4.2))
-    names = [run_label(r, runs) for r in runs]
-    width = 0.27
+    names, width = [run_label(r, runs) for r in runs], 0.27  # a budget's bars: median, p90, p99
     for axis, key, title in ((itl, "itl_s", "gap between a request's tokens"), (ttft, "ttft_s", "time to first token")):
         for i, stat in enumerate(("median", "p90", "p99")):
             bars = axis.bar([x + (i - 1) * width for x in range(len(runs))], [r[key][stat] for r in runs], width,

@@ -13,6 +13,7 @@ import torch
 from rope_plugins.attention.backend import RopeExtendAttentionImpl
 from rope_plugins.attention.planner import StepPlanner, kernel_plan
 from rope_plugins.ops import cpu, native
+from rope_plugins.rules.settings import ExtensionSettings
 from rope_plugins.testing.paged_steps import fp8_cached, nearest_fp8, paged_step
 from tests.attention.test_attention import (
     BLOCK,
@@ -141,6 +142,32 @@ def test_kernel_decode_of_real_head_shapes_on_an_fp8_cache_matches_the_oracle(na
     output = cpu.decode(step.query, cache.view(FORMATS[name]), plan.decode, plan.query, scale=head**-0.5,
                         scales=SCALES)
     torch.testing.assert_close(output.double(), oracle.expected(), rtol=0, atol=2e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("head", [64, 80], ids=["head64", "head80"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_decode_reads_every_fp8_code_as_its_value_bit_for_bit(name, head):
+    """Rows of one token each, whose value rows hold every finite code of the format (subnormals,
+    both zeros, the largest): one key weighs exactly 1, so each output is its value row read back,
+    bit for bit. Head 64 takes the AVX-512 online path (32 codes per widening, e4m3fn read as
+    2^-8 of itself and the factor put back); head 80 the one that sums values after its scores,
+    whose last 16 are widened alone."""
+    fp8 = FORMATS[name]
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[torch.isfinite(codes.view(fp8).float())]
+    rows = [(ExtensionSettings(method=method, train_length=64), 0, 1) for method in ("rerope", "ntk_mixed")] * 4
+    step = paged_step(rows, seed=5, head=head, kv=KV, queries_per_kv=QUERIES_PER_KV, block=BLOCK)
+    blocks = step.block_table[:, 0]  # each row's one token: slot 0 of its first block
+    cache = torch.zeros_like(step.cache, dtype=torch.uint8)
+    cache[blocks, :, 0, head:] = codes.repeat(-(-len(rows) * KV * head // len(codes)))[: len(rows) * KV * head].view(
+        len(rows), KV, head)
+    cache = cache.view(fp8)
+    plan = StepPlanner(block_size=BLOCK).plan(step.tables, step.starts, step.seq_lens, step.block_table, step.slots)
+    output = cpu.decode(step.query, cache, plan.decode, plan.query, scale=head**-0.5)
+    read = cache[blocks, :, 0, head:]  # [rows, kv, head]
+    assert set(read.view(torch.uint8).flatten().tolist()) == set(codes.tolist())
+    assert torch.equal(output, read.float().repeat_interleave(QUERIES_PER_KV, dim=1))
 
 
 @needs_compiler
