@@ -280,14 +280,15 @@ def test_kernels_built_for_other_cpus_match_the_oracle(march):
     AVX-512 ones (csrc/micro_gemm.h, csrc/decode_vector.h); for ``skylake-avx512`` (AVX-512 without
     AVX512_BF16) the decode's widened scoring of raw bfloat16 keys instead of vdpbf16ps. This
     file's kernel tests against the oracle pass on each build too, in float32, bfloat16 and float16,
-    and the fp8 cache's (tests/ops/test_fp8_cache.py)."""
+    and the fp8 cache's (tests/ops/test_fp8_cache.py, every fp8 code read back bit for bit too)."""
     env = {**os.environ, native.MARCH_ENV: march}
     load = "from rope_plugins.ops import native; print(native.kernels().__file__)"
     built = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=900)
     assert built.returncode == 0 and march.replace("-", "_") in built.stdout, built.stderr[-2000:]
     fp8 = str(Path(__file__).parent.parent / "ops" / "test_fp8_cache.py")
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, fp8, "-k",
-                            "(matches_oracle or matches_the_oracle) and not plain and not chunked"], env=env,
+                            "(matches_oracle or matches_the_oracle or every_fp8_code) and not plain and not chunked"],
+                           env=env,
                            capture_output=True, text=True, timeout=900)
     assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]
 
