@@ -267,13 +267,13 @@ def read_bandwidth() -> float:
     return buffer.nbytes / (time.perf_counter() - began) / 1e9
 
 
-def decode_reads(report: dict, config: str, n: str) -> list[str]:
+def decode_reads(report: dict, config: str, n: str, bandwidth: float) -> list[str]:
     """A --cached run's KV-cache MB per step of ``config`` at ``n``, their GB/s over its TPOT (all of the step's
-    time: a floor of the attention's own rate), and that over the run's median read bandwidth."""
+    time: a floor of the attention's own rate), and that over the run's read ``bandwidth``."""
     engine = "stock" if config == "stock" else "plugin_auto_cache" if config.endswith(AUTO_CACHE) else "plugin"
     step = report["kv_bytes_per_token"][engine] * int(n)
     rate = step / report["median"][config][n] / 1e9
-    return [f"{step / 1e6:.0f}", f"{rate:.1f}", f"{rate / statistics.median(report['read_gb_per_second']):.2f}"]
+    return [f"{step / 1e6:.0f}", f"{rate:.1f}", f"{rate / bandwidth:.2f}"]
 
 
 def medians(samples: dict) -> dict:
@@ -299,14 +299,14 @@ def summary(samples: dict, head: dict) -> dict:
 
 
 def cached_markdown(report: dict) -> str:
-    """A ``--cached`` report as bench/README.md shows it: a table of medians and the targets read
-    (an fp8 run's also against the plugin on a cache of the model's dtype)."""
+    """A ``--cached`` report as bench/README.md shows it: a table of medians and the targets read (an fp8
+    run's also against the plugin on a cache of the model's dtype; runs since 2026-12-01, its KV reads)."""
     to_stock, to_auto = report["ratio_to_stock"], report.get("ratio_to_auto_cache", {})
-    reads = "read_gb_per_second" in report  # runs since 2026-12-01: where the decode's time goes
+    bandwidth = statistics.median(report["read_gb_per_second"]) if "read_gb_per_second" in report else None
     rows = [[f"{int(n) // 1024}k", config, f"{report['median'][config][n] * 1e3:.1f}",
              f"{1.0 if config == 'stock' else to_stock[config][n]:.2f}",
              *([f"{to_auto[config][n]:.2f}" if config in to_auto else "-"] if to_auto else []),
-             *(decode_reads(report, config, n) if reads else [])]
+             *(decode_reads(report, config, n, bandwidth) if bandwidth else [])]
             for n in map(str, report["lengths"]) for config in report["median"]]
     limits = [("stock's time", to_stock, TARGETS[report["dtype"]]["tpot"])]  # (against what, the ratios, the limit)
     if to_auto:  # the fp8 cache's: against stock's fp8, and its own gain
@@ -320,12 +320,12 @@ def cached_markdown(report: dict) -> str:
         lines.append(f"- Targets (at most {', '.join(f'{c} {limit}x' for c in ratios_of)} {what}): "
                      + ("every one met." if not missed else "not met by " + ", ".join(missed) + "."))
     columns = ["context", "config", "TPOT ms (median)", "x stock", *(["x its auto cache"] if to_auto else []),
-               *(["KV MB per step", "KV GB/s", "x read bandwidth"] if reads else [])]
-    reads = f"; read bandwidth {statistics.median(report['read_gb_per_second']):.1f} GB/s" if reads else ""
+               *(["KV MB per step", "KV GB/s", "x read bandwidth"] if bandwidth else [])]
+    read = f"; read bandwidth {bandwidth:.1f} GB/s" if bandwidth else ""
     cache = f"; KV caches {report['kv_cache_dtype']}, {AUTO_CACHE}: the model's dtype" if to_auto else ""
     return (f"Measured {report['date'][:10]} on {report['machine']} ({report['model']}{cache}; medians of "
             f"{report['reps']} interleaved repetitions on cached prompts; TPOT from {report['decode_tokens']} "
-            f"new tokens{reads}):\n\n" + harness.markdown_table(columns, rows) + "\n\n" + "\n".join(lines))
+            f"new tokens{read}):\n\n" + harness.markdown_table(columns, rows) + "\n\n" + "\n".join(lines))
 
 
 def plot(report: dict, path: Path) -> None:

@@ -150,9 +150,9 @@ def test_kernel_decode_of_real_head_shapes_on_an_fp8_cache_matches_the_oracle(na
 def test_the_decode_reads_every_fp8_code_as_its_value_bit_for_bit(name, head):
     """Rows of one token each, whose value rows hold every finite code of the format (subnormals,
     both zeros, the largest): one key weighs exactly 1, so each output is its value row read back,
-    bit for bit. Head 64 takes the AVX-512 online path (32 codes per widening, e4m3fn read as
-    2^-8 of itself and the factor put back); head 80 the one that sums values after its scores,
-    whose last 16 are widened alone."""
+    bit for bit. Head 64 takes the AVX-512 online path (e4m3fn read as 2^-8 of itself and the
+    factor put back into its output); head 80 the one that sums values after its scores, which
+    puts the factor back there."""
     fp8 = FORMATS[name]
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[torch.isfinite(codes.view(fp8).float())]

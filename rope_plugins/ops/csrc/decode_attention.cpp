@@ -344,7 +344,8 @@ void finish_online(const DecodeView& view, const DecodeItem& item, DecodeScratch
     view.partial_sum[item.partial + g] = _mm512_reduce_add_ps(_mm512_loadu_ps(scratch.totals.data() + g * 16));
     __m512 sums[d / 16];  // times what the values' AVX-512 reads leave out
     const __m512 factor = _mm512_set1_ps(rope_kernels::kFp8Factor<Element>);
-    for (int64_t i = 0; i < d / 16; ++i) sums[i] = _mm512_mul_ps(factor, _mm512_loadu_ps(scratch.sums.data() + g * d + 16 * i));
+    for (int64_t i = 0; i < d / 16; ++i)
+      sums[i] = _mm512_mul_ps(factor, _mm512_loadu_ps(scratch.sums.data() + g * d + 16 * i));
     avx512::store_value<d, Element>(sums, view.partial_out + (item.partial + g) * d);
   }
 #endif

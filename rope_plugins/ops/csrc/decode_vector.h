@@ -20,8 +20,6 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
-#include "vector_math.h"
-
 namespace rope_kernels::avx512 {
 
 constexpr int64_t kLanes = 16;
@@ -38,41 +36,25 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// fp8: the bytes as the float16 that holds each (rope_kernels::fp8_half_bits), then the hardware
-// conversion. e4m3fn reads as 2^-8 of its value (kFp8Factor): the decode folds the factor into
-// the query's scale and its output, exact for a power of two, where a multiply per 16 elements
-// cost its time. 32 elements at a time: one widening, shift and mask for two conversions.
-inline __m512i fp8_half_bits32(const c10::Float8_e5m2* p) {
-  return _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 8);
-}
-// sign-extended, then shifted into float16's places: the sign lands in bits 15 and 14, and 14 is cleared
-inline __m512i fp8_half_bits32(const c10::Float8_e4m3fn* p) {
-  const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_and_si512(_mm512_slli_epi16(words, 7), _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
-}
-template <typename Fp8>
-inline void load32(const Fp8* p, __m512* out) {
-  const __m512i half = fp8_half_bits32(p);
-  out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
-  out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
-}
-// a row's last 16 where d is not a multiple of 32
+// fp8: the 16 bytes as the float16 that holds each (rope_kernels::fp8_half_bits), then the
+// hardware conversion. e4m3fn reads as 2^-8 of its value (kFp8Factor): the decode folds the
+// factor into the query's scale and its output, exact for a power of two, where a multiply per
+// 16 elements cost its time.
 inline __m512 load16(const c10::Float8_e5m2* p) {
   const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtph_ps(_mm256_slli_epi16(words, 8));
 }
+// sign-extended, then shifted into float16's places: the sign lands in bits 15 and 14, and 14 is cleared
 inline __m512 load16(const c10::Float8_e4m3fn* p) {
   const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+  const __m256i without_bit_14 = _mm256_set1_epi16(static_cast<int16_t>(0xBFFF));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(words, 7), without_bit_14));
 }
 
 // A cache row's d elements as d / 16 float32 vectors (e4m3fn: 2^-8 of their values)
 template <int64_t d, typename Element>
 inline void load_row(const Element* row, __m512* out) {
-  int64_t i = 0;
-  if constexpr (rope_kernels::kFp8<Element>)
-    for (; i + 2 <= d / kLanes; i += 2) load32(row + kLanes * i, out + i);
-  for (; i < d / kLanes; ++i) out[i] = load16(row + kLanes * i);
+  for (int64_t i = 0; i < d / kLanes; ++i) out[i] = load16(row + kLanes * i);
 }
 
 // Scoring keys in registers needs each half of a head in whole vectors (the rotation's pairs).
