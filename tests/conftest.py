@@ -162,7 +162,7 @@ def engine_defaults():
 ENGINE_FIXTURES = frozenset({"full_engine", "chunked_engine", "reference_model", "tensor_parallel_engine", "server",
                              "llama3", "triton_engine"})
 SERVER_MODULES = frozenset({"test_server", "test_server_robustness", "test_plugin_engine", "test_tensor_parallel",
-                            "test_v2_runner", "test_playground_browser", "test_slow_clients"})
+                            "test_v2_runner", "test_playground_browser"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,8 @@ table as large as the cache.
 Both kernels turn a key tile by angle sums (:func:`rotate_tile`: the tile's first angle in
 float64, plus a per-program table of its offsets' angles).
 
-- :func:`write_cache`: unrotated keys and values into their slots, skipping padded slots (-1).
+- :func:`write_cache`: unrotated keys and values into their slots, skipping padded slots (-1),
+  one program per (16 tokens, KV head).
 - :func:`prefill`: one program per (query tile of a row, query head) walks the row's key
   tiles up to the causal edge. A tile wholly inside the window (``m - n < w`` for every pair)
   scores the query at ``m θ`` against keys rotated on load to ``n θ``; a tile wholly beyond
@@ -50,6 +51,8 @@ PREFILL_WARPS = 8
 DECODE_WARPS = 4
 DECODE_DOT = True
 DECODE_TILE_ANGLES = True
+# not timed on a GPU: the cache write's tokens per program, for Triton's interpreter, which runs each program in Python
+WRITE_TOKENS = 16
 
 # ---------------------------------------------------------------------------------------------
 # Loads, and the row rule: where a query or key stands, how much a query is scaled
@@ -354,28 +357,30 @@ def write_cache_kernel(
     key_scale, value_scale, largest,  # an fp8 cache's: each key and value is stored divided by its scale
     # the step's rows
     slot_ptr,  # [T] each token's slot; -1: padding
+    token_count,  # T
     # strides
     stride_cb, stride_ch, stride_cs, stride_kt, stride_kh, stride_vt, stride_vh,
     # constexpr sizes
+    TOKENS: tl.constexpr,  # tokens per program
     BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, QUANTIZE: tl.constexpr,
     MANTISSA: tl.constexpr, LEAST_EXPONENT: tl.constexpr,  # an fp8 cache's format
 ):
-    token = tl.program_id(0)
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     kv_head = tl.program_id(1)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot >= 0:  # -1: a padded token, nothing to write
-        dims = tl.arange(0, HEAD_PAD)
-        inside = dims < HEAD
-        key = tl.load(key_ptr + token * stride_kt + kv_head * stride_kh + dims, mask=inside)
-        value = tl.load(value_ptr + token * stride_vt + kv_head * stride_vh + dims, mask=inside)
-        if QUANTIZE:
-            # divided as IEEE divides (round to nearest), as vLLM's CUDA cache write does
-            key = fp8_rounded(tl.math.div_rn(key.to(tl.float32), key_scale), largest, MANTISSA, LEAST_EXPONENT)
-            value = fp8_rounded(tl.math.div_rn(value.to(tl.float32), value_scale), largest, MANTISSA, LEAST_EXPONENT)
-        cached = cache_ptr.dtype.element_ty
-        target = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch + (slot % BLOCK_SIZE) * stride_cs
-        tl.store(target + dims, key.to(cached), mask=inside)
-        tl.store(target + HEAD + dims, value.to(cached), mask=inside)
+    slot = tl.load(slot_ptr + tokens, mask=tokens < token_count, other=-1).to(tl.int64)
+    dims = tl.arange(0, HEAD_PAD)
+    written = (slot >= 0)[:, None] & (dims < HEAD)[None, :]  # slot -1: a padded token, nothing to write
+    key = tl.load(key_ptr + tokens[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=written)
+    value = tl.load(value_ptr + tokens[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=written)
+    if QUANTIZE:
+        # divided as IEEE divides (round to nearest), as vLLM's CUDA cache write does
+        key = fp8_rounded(tl.math.div_rn(key.to(tl.float32), key_scale), largest, MANTISSA, LEAST_EXPONENT)
+        value = fp8_rounded(tl.math.div_rn(value.to(tl.float32), value_scale), largest, MANTISSA, LEAST_EXPONENT)
+    cached = cache_ptr.dtype.element_ty
+    target = (cache_ptr + (slot // BLOCK_SIZE)[:, None] * stride_cb + kv_head * stride_ch
+              + (slot % BLOCK_SIZE)[:, None] * stride_cs + dims[None, :])
+    tl.store(target, key.to(cached), mask=written)
+    tl.store(target + HEAD, value.to(cached), mask=written)
 
 
 @triton.jit
@@ -537,13 +542,13 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, 
     if tokens == 0:
         return
     grid = FP8_GRIDS.get(kv_cache.dtype)  # None: the cache holds the model's dtype, stored as it is
-    write_cache_kernel[(tokens, kv_heads)](
-        cache_ptr=kv_cache, key_ptr=key, value_ptr=value, slot_ptr=slot_mapping, key_scale=key_scale,
-        value_scale=value_scale, largest=torch.finfo(kv_cache.dtype).max if grid else 0.0, QUANTIZE=grid is not None,
-        **(grid or dict(MANTISSA=0, LEAST_EXPONENT=0)),
+    write_cache_kernel[(triton.cdiv(tokens, WRITE_TOKENS), kv_heads)](
+        cache_ptr=kv_cache, key_ptr=key, value_ptr=value, slot_ptr=slot_mapping, token_count=tokens,
+        key_scale=key_scale, value_scale=value_scale, largest=torch.finfo(kv_cache.dtype).max if grid else 0.0,
+        QUANTIZE=grid is not None, **(grid or dict(MANTISSA=0, LEAST_EXPONENT=0)),
         stride_cb=kv_cache.stride(0), stride_ch=kv_cache.stride(1), stride_cs=kv_cache.stride(2),
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
-        BLOCK_SIZE=kv_cache.shape[2], HEAD=head, HEAD_PAD=triton.next_power_of_2(head))
+        TOKENS=WRITE_TOKENS, BLOCK_SIZE=kv_cache.shape[2], HEAD=head, HEAD_PAD=triton.next_power_of_2(head))
 
 
 def pairs_padded(head: int) -> int:

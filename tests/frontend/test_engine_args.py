@@ -218,9 +218,11 @@ def test_ntk_dynamic_reuses_a_cached_prefix_of_another_length(full_engine, refer
     assert_matches_oracle(elsewhere, longer, other, reference_model, engine_defaults)
 
 
-@pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine", "triton_engine"])
+# The salt is the front's and the scheduler's, the same whatever the kernels; a Triton prefill
+# after cached tokens is the triton_engine's every chunk after its first (the test above).
+@pytest.mark.parametrize("engine_name", ["full_engine", "chunked_engine"])
 def test_prefix_cache_never_crosses_settings(request, engine_name, reference_model, engine_defaults):
-    seed = {"full_engine": 300, "chunked_engine": 400, "triton_engine": 600}[engine_name]
+    seed = {"full_engine": 300, "chunked_engine": 400}[engine_name]
     assert_prefix_cache_never_crosses_settings(request.getfixturevalue(engine_name), seed, reference_model,
                                                engine_defaults)
 

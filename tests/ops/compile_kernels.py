@@ -110,22 +110,36 @@ def captured_launches(dtype: torch.dtype, cache_dtype: torch.dtype | None = None
     return launches
 
 
+def compiled_lines(dtype: torch.dtype, cache_dtype: torch.dtype | None, capability: int) -> list[str]:
+    """One configuration's kernels compiled for ``sm_<capability>``: a line for each."""
+    name = str(dtype).removeprefix("torch.") + (f"/{FP8_NAMES[cache_dtype]}" if cache_dtype else "")
+    lines = []
+    for launch in captured_launches(dtype, cache_dtype):
+        if cache_dtype and launch.kernel.__name__ == "decode_reduce_kernel":  # the reduce never reads the cache
+            continue
+        compiled = launch.compile(GPUTarget("cuda", capability, 32))
+        ptx = compiled.asm["ptx"]
+        lines.append(f"{launch.kernel.__name__} {name} sm_{capability}: shared {compiled.metadata.shared} B, "
+                     f"PTX {len(ptx)} chars, {ptx.count('div.full.f32')} approximate divisions")
+    return lines
+
+
 def main(argv: list[str]) -> int:
+    """Each configuration on each target (fp8 needs sm_89 or later: fp8e4nv), compiled on every
+    core: a compile is one thread's work, minutes for them all on a fresh machine."""
+    import concurrent.futures
+    import multiprocessing
+
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_kernels: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
         return 2
     capabilities = [int(name.removeprefix("sm_")) for name in argv] or [90]
-    for dtype, cache_dtype in CONFIGURATIONS:
-        name = str(dtype).removeprefix("torch.") + (f"/{FP8_NAMES[cache_dtype]}" if cache_dtype else "")
-        for launch in captured_launches(dtype, cache_dtype):
-            # fp8 needs sm_89 or later (fp8e4nv); the reduce never reads the cache
-            if cache_dtype and launch.kernel.__name__ == "decode_reduce_kernel":
-                continue
-            for capability in capabilities if cache_dtype is None else [c for c in capabilities if c >= 89]:
-                compiled = launch.compile(GPUTarget("cuda", capability, 32))
-                ptx = compiled.asm["ptx"]
-                print(f"{launch.kernel.__name__} {name} sm_{capability}: shared {compiled.metadata.shared} B, "
-                      f"PTX {len(ptx)} chars, {ptx.count('div.full.f32')} approximate divisions", flush=True)
+    jobs = [(dtype, cache_dtype, capability) for dtype, cache_dtype in CONFIGURATIONS
+            for capability in capabilities if cache_dtype is None or capability >= 89]
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), len(os.sched_getaffinity(0))),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        for lines in pool.map(compiled_lines, *zip(*jobs)):
+            print("\n".join(lines), flush=True)
     return 0
 
 if __name__ == "__main__":

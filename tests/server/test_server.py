@@ -641,13 +641,14 @@ def test_bad_api_key_is_a_401_and_health_metrics_stay_open(server, client):
 
 def test_full_queue_is_a_429_with_retry_after_and_the_admitted_requests_finish(server, client):
     # capacity: 2 running + 1 waiting, counted in sequences (prompts x n). The running requests
-    # must outlast the checks: at 96 tokens, a faster decode finished them first.
+    # must outlast the checks: at 96 tokens, a faster decode finished them first. The waiting one
+    # runs only once they are done, so its length changes nothing here.
     with Concurrently(client, tokens=400), Concurrently(client, tokens=400):
         # 2 in flight: one more sequence fits, two do not
         with pytest.raises(openai.RateLimitError) as raised:
             client.completions.create(model=MODEL, prompt="two too many", max_tokens=4, n=2, temperature=1.0)
         assert raised.value.body["code"] == "queue_full" and raised.value.response.headers["retry-after"] == "1"
-        with Concurrently(client, tokens=400):
+        with Concurrently(client):
             with pytest.raises(openai.RateLimitError) as raised:
                 client.completions.create(model=MODEL, prompt="one too many", max_tokens=4)
             assert raised.value.body["code"] == "queue_full"
