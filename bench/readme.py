@@ -24,7 +24,7 @@ DOCUMENTS = (DOCUMENT, ROOT / "README.md", *(ROOT / "docs" / name for name in ("
 # results file stem: (module, function) rendering it as markdown; written by renderer, each with its stems
 RENDERERS = {stem: renderer for renderer, stems in {
     ("bench.speed", "markdown"): ("speed", "speed_bfloat16", "speed_bfloat16_amx_rounded", "speed_bfloat16_fp8"),
-    ("bench.speed", "cached_markdown"): ("tpot_bfloat16_rounded", "tpot_bfloat16_fp8"),
+    ("bench.speed", "cached_markdown"): ("tpot_bfloat16_rounded", "tpot_bfloat16_fp8", "tpot_bfloat16_fp8_epyc"),
     ("bench.attention_kernels", "markdown"): ("attention_kernels",),
     ("bench.llama_cpp_speed", "markdown"): ("llama_cpp_speed",),
     ("bench.quality", "markdown"): ("eval", "eval_digits", "eval_new_methods"),
